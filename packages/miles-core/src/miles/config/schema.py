@@ -1,0 +1,150 @@
+"""The recipe schema: one pydantic model per top-level section.
+
+Every section forbids unknown keys, so a typo fails validation (with a "did you
+mean" from the loader) before anything heavy starts. Components are referenced by
+name (an entry point) or by import path (``pkg.mod:attr``); their own options live
+next to them in an ``*_options`` mapping that the component validates.
+Plugins add whole sections through the ``miles_config_sections`` hook.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; the run directory is output_dir/name")
+    output_dir: str = Field("runs", description="parent directory of run directories")
+    seed: int = 0
+    num_steps: int = Field(20, ge=1, description="training steps (one rollout each)")
+    save_every: int | None = Field(None, ge=1, description="save a resumable checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
+    export_hf: bool = Field(True, description="write a Hugging Face checkpoint of the final policy")
+
+
+class ModelSection(Section):
+    path: str = Field(..., description="a Hugging Face model directory, or builtin:NAME (see `miles models list`)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DataSection(Section):
+    source: str = Field("jsonl", description="data source name or import path")
+    path: str = Field(..., description="dataset file (.jsonl, .parquet), builtin:NAME, or a datasets id for source=hf")
+    prompt_key: str = "prompt"
+    label_key: str | None = "label"
+    metadata_keys: list[str] = Field(default_factory=list, description="extra fields copied into the prompt metadata")
+    shuffle: bool = True
+    seed: int = 0
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    prompt_template: str = Field("{prompt}", description="format string applied to the prompt text")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutSection(Section):
+    fn: str = Field("default", description="rollout function name or import path")
+    generate_fn: str = Field("default", description="generate function name or import path")
+    prompts_per_step: int = Field(8, ge=1)
+    n_samples_per_prompt: int = Field(8, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    reward: str = Field("math", description="reward name or import path")
+    reward_options: dict[str, Any] = Field(default_factory=dict)
+    filters: list[str] = Field(default_factory=lambda: ["nonzero_std"], description="group filters (names or import paths)")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class EngineSection(Section):
+    launcher: str = Field("embedded", description="embedded (built-in HF engine) or sglang")
+    num_engines: int = Field(1, ge=1)
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=1, le=65535, description="first engine port; None picks free ports")
+    urls: list[str] = Field(default_factory=list, description="attach to running engines instead of launching")
+    device: str = Field("cpu", description="cpu, cuda, or cuda:N")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="default: model.dtype")
+    max_batch_size: int = Field(64, ge=1, description="requests batched into one forward pass")
+    startup_timeout_s: float = Field(180.0, gt=0)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class AlgorithmSection(Section):
+    advantage: str = "grpo"
+    advantage_options: dict[str, Any] = Field(default_factory=dict)
+    loss: str = "ppo_clip"
+    loss_options: dict[str, Any] = Field(default_factory=dict)
+    correction: str | None = Field("tis", description="train/rollout mismatch correction, or null")
+    correction_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainSection(Section):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward")
+    warmup_steps: int = Field(0, ge=0)
+
+
+class WeightSyncSection(Section):
+    bucket_mb: int = Field(512, ge=1, description="weights are sent in buckets of at most this size")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrackingSection(Section):
+    jsonl: bool = True
+    tensorboard: bool = True
+    console: bool = True
+    log_samples: int = Field(1, ge=0, description="example completions printed per step")
+
+
+class MilesConfig(Section):
+    """A whole recipe. Plugin sections are added to a subclass built at start-up."""
+
+    recipe: str = Field("", description="set by the loader: where this config came from")
+    backend: str = Field("fsdp", description="training backend name or import path")
+    transport: str = Field("broadcast", description="weight transport name or import path")
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection
+    data: DataSection
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> MilesConfig:
+        if self.rollout.n_samples_per_prompt == 1 and "nonzero_std" in self.rollout.filters:
+            raise ValueError(
+                "rollout.filters contains 'nonzero_std' but rollout.n_samples_per_prompt is 1: every group "
+                "would be dropped; use n_samples_per_prompt >= 2 or remove the filter"
+            )
+        if self.engine.urls and len(self.engine.urls) != self.engine.num_engines:
+            raise ValueError(
+                f"engine.urls lists {len(self.engine.urls)} engines but engine.num_engines is "
+                f"{self.engine.num_engines}; make them agree"
+            )
+        if self.transport == "colocated" and self.engine.urls:
+            raise ValueError("transport 'colocated' needs engines launched by this run on this machine, not engine.urls")
+        if self.transport == "colocated" and self.engine.launcher != "embedded":
+            raise ValueError(
+                "transport 'colocated' is implemented for the embedded engine only; use transport: broadcast "
+                f"with engine.launcher {self.engine.launcher!r}"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        import os
+
+        return os.path.join(self.run.output_dir, self.run.name)

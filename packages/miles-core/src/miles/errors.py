@@ -1,0 +1,29 @@
+"""Errors a user can act on. The CLI prints them as one line (tracebacks only with -v)."""
+
+
+class MilesError(Exception):
+    """Base class: something the user can fix (a recipe, a path, a plugin)."""
+
+
+class ConfigError(MilesError):
+    """The recipe or an override is invalid."""
+
+
+class ComponentError(MilesError):
+    """A named component is unknown, broken, claimed twice, or does not satisfy its interface."""
+
+
+class DataError(MilesError):
+    """A dataset file is missing or has a bad record."""
+
+
+class ModelError(MilesError):
+    """A model path is not a usable model."""
+
+
+class EngineError(MilesError):
+    """A rollout engine could not start, or answered with an error."""
+
+
+class RunDirError(MilesError):
+    """The run directory holds earlier results that would be overwritten."""

@@ -1,0 +1,145 @@
+"""Pluggy hook specifications: the points where plugins join the loop.
+
+Named drivers (a backend, a loss, a reward...) are *selected* by name through entry
+points (see ``miles.plugins``); hooks are how loaded code is *called* around them.
+Every hook is prefixed ``miles_``. A plugin implements any subset with
+``@miles.hookimpl`` in a module registered under the ``miles.plugins`` entry-point
+group; pluggy checks the argument names at registration.
+
+Hooks marked *driver* fire in the ``miles run`` process; hooks marked *rank* fire in
+every trainer rank process (the backend builds its own plugin manager there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Generator
+
+    from miles.config.sections import ConfigSection
+    from miles.interfaces import CorrectionOutput, LossInputs, LossOutput, TransportStats
+    from miles.types import Group, TrainBatch
+
+hookspec = pluggy.HookspecMarker("miles")
+
+# ---------------------------------------------------------------- configuration
+
+
+@hookspec
+def miles_config_sections() -> list[ConfigSection]:
+    """Contribute typed config sections (driver, at start-up, before the recipe is validated).
+
+    Return ``ConfigSection(name=..., model=SomePydanticModel)`` records; the recipe may
+    then carry a top-level key ``name`` validated by ``model``. Two plugins claiming
+    one section name is an error naming both.
+    """
+
+
+@hookspec(historic=True)
+def miles_configure(config: Any) -> None:
+    """The validated run config, once, before any process is spawned (driver).
+
+    Historic: a plugin registered later still receives it.
+    """
+
+
+@hookspec
+def miles_on_run_start(config: Any, run_dir: str) -> None:
+    """The run directory exists and engines are up; nothing has been trained yet (driver)."""
+
+
+@hookspec
+def miles_on_run_end(run_dir: str, status: str) -> None:
+    """The run finished (``status`` is ``completed``, ``failed`` or ``interrupted``) (driver)."""
+
+
+# ---------------------------------------------------------------------- rollout
+
+
+@hookspec
+def miles_rollout_postprocess(groups: list[Group], step: int) -> None:
+    """Rewarded groups of one rollout, before filtering and the buffer; mutate in place (driver).
+
+    Use it for reward shaping or to annotate samples' ``metadata``.
+    """
+
+
+# ----------------------------------------------------------------------- buffer
+
+
+@hookspec(firstresult=True)
+def miles_buffer_reject(group: Group) -> str | None:
+    """Return a reason to drop ``group`` on arrival at the buffer, or ``None`` to keep it (driver).
+
+    Runs after the recipe's own filters. The first plugin that returns a reason wins.
+    """
+
+
+@hookspec
+def miles_on_group_dropped(group: Group, reason: str) -> None:
+    """A group left the loop without being trained on (driver); ``reason`` says why."""
+
+
+# ------------------------------------------------------------------------- loss
+
+
+@hookspec
+def miles_advantages_postprocess(batch: TrainBatch) -> None:
+    """Per-token advantages after the estimator, before the backend; mutate ``batch.advantages`` (driver).
+
+    This is where terms that compose with every estimator (a distillation penalty,
+    a length penalty) fold in.
+    """
+
+
+@hookspec
+def miles_loss_postprocess(output: LossOutput, inputs: LossInputs) -> LossOutput | None:
+    """The loss of one micro-batch, before backward (rank). Return a replacement to add terms.
+
+    Implementations run in LIFO registration order and each sees the previous result
+    through ``output`` only if it returns ``None``; return a new ``LossOutput`` to
+    replace it (the backend keeps the last non-``None`` result).
+    """
+
+
+# ------------------------------------------------------------------- correction
+
+
+@hookspec
+def miles_correction_postprocess(output: CorrectionOutput, loss_mask: Any) -> None:
+    """Per-token correction weights of one micro-batch, before the loss (rank); mutate in place."""
+
+
+# ---------------------------------------------------------------------- backend
+
+
+@hookspec(wrapper=True)
+def miles_train_step(step: int, batch: TrainBatch) -> Generator[None, dict[str, float], dict[str, float]]:
+    """Wraps one backend training step (driver): time it, profile it, add metrics.
+
+    ``result = yield`` gives the step's metrics; return them (possibly extended).
+    """
+
+
+@hookspec
+def miles_on_checkpoint_saved(step: int, directory: str) -> None:
+    """A resumable checkpoint was fully written to ``directory`` (driver)."""
+
+
+# -------------------------------------------------------------------- transport
+
+
+@hookspec
+def miles_on_weights_updated(version: int, stats: TransportStats) -> None:
+    """Every engine now serves weight version ``version`` (driver)."""
+
+
+# --------------------------------------------------------------------- tracking
+
+
+@hookspec
+def miles_on_metrics(step: int, metrics: dict[str, float]) -> None:
+    """The metrics of one finished step (driver). Trackers (W&B, MLflow, ...) plug in here."""

@@ -1,0 +1,144 @@
+"""The vocabulary of the loop: prompts, samples, groups and batches.
+
+Plain dataclasses with no torch in them, so the driver, the rollout side and the
+buffer can pass them around (and log them) without importing a tensor library.
+Token-level fields are aligned on the *response* tokens: ``response_ids[i]`` was
+sampled with log-probability ``rollout_logprobs[i]`` under weight version
+``weight_versions[i]`` and is trained on iff ``loss_mask[i] == 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+ChatMessage = dict[str, Any]
+
+
+class Status(StrEnum):
+    """How a trajectory ended."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"  # the model stopped by itself (EOS / stop token)
+    TRUNCATED = "truncated"  # hit the generation length limit
+    ABORTED = "aborted"  # the engine gave up on it (abort, engine restart)
+    FAILED = "failed"  # the environment or reward raised
+
+
+@dataclass
+class Prompt:
+    """One task drawn from a data source. ``index`` is stable across epochs and resumes."""
+
+    index: int
+    prompt: str | list[ChatMessage]
+    label: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    """One trajectory: an attempt at a prompt, with everything the trainer needs."""
+
+    prompt: Prompt
+    group_index: int = 0  # position inside its group
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response_text: str = ""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    # For MoE models: per response token, per layer, the expert ids the engine routed to.
+    routed_experts: list[list[list[int]]] | None = None
+    reward: float | None = None
+    status: Status = Status.PENDING
+    finish_reason: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        return min(self.weight_versions) if self.weight_versions else None
+
+    def check_aligned(self) -> None:
+        """Raise if the per-token fields disagree in length (a bug in a rollout function)."""
+        n = len(self.response_ids)
+        for name in ("rollout_logprobs", "loss_mask", "weight_versions"):
+            got = len(getattr(self, name))
+            if got != n:
+                raise ValueError(f"sample of prompt {self.prompt.index}: {name} has {got} entries, response has {n}")
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"sample of prompt {self.prompt.index}: routed_experts not aligned with response")
+
+
+@dataclass
+class Group:
+    """The trajectories generated from one prompt (``n_samples_per_prompt`` of them)."""
+
+    prompt: Prompt
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward if s.reward is not None else 0.0 for s in self.samples]
+
+    @property
+    def oldest_weight_version(self) -> int | None:
+        versions = [v for s in self.samples if (v := s.oldest_weight_version) is not None]
+        return min(versions) if versions else None
+
+
+@dataclass
+class TrainBatch:
+    """What the backend trains on in one step: flattened samples plus per-token advantages."""
+
+    samples: list[Sample]
+    advantages: list[list[float]]  # per sample, per response token
+    step: int
+
+    def __post_init__(self) -> None:
+        if len(self.samples) != len(self.advantages):
+            raise ValueError("TrainBatch: one advantage row per sample is required")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(sum(s.loss_mask) for s in self.samples)
+
+
+@dataclass
+class GenerateOutput:
+    """What an engine returns for one ``/generate`` call (token in, token out)."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int
+    text: str = ""
+    routed_experts: list[list[list[int]]] | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def to_sglang(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params

@@ -1,0 +1,1 @@
+"""Placeholder package: nothing is implemented yet (see README.md)."""
