@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from collections.abc import Generator
-
     from miles.config.sections import ConfigSection
     from miles.interfaces import CorrectionOutput, LossInputs, LossOutput, TransportStats
     from miles.types import Group, TrainBatch
@@ -116,11 +114,19 @@ def miles_correction_postprocess(output: CorrectionOutput, loss_mask: Any) -> No
 # ---------------------------------------------------------------------- backend
 
 
-@hookspec(wrapper=True)
-def miles_train_step(step: int, batch: TrainBatch) -> Generator[None, dict[str, float], dict[str, float]]:
-    """Wraps one backend training step (driver): time it, profile it, add metrics.
+@hookspec(firstresult=True)
+def miles_train_step(step: int, batch: TrainBatch) -> dict[str, float] | None:
+    """Run one training step on ``batch`` and return its metrics (driver).
 
-    ``result = yield`` gives the step's metrics; return them (possibly extended).
+    The run's backend implements it (the driver registers it as a plugin named
+    ``backend``). Other plugins wrap it with ``@miles.hookimpl(wrapper=True)`` to
+    time it, profile it or add metrics::
+
+        @miles.hookimpl(wrapper=True)
+        def miles_train_step(step, batch):
+            t0 = time.perf_counter()
+            metrics = yield
+            return {**metrics, "perf/my_step_s": time.perf_counter() - t0}
     """
 
 

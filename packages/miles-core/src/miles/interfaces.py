@@ -82,6 +82,8 @@ class RolloutContext:
     reward: RewardFn
     step: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # the recipe's rollout.options
+    # Called once per finished trajectory (drives the per-rollout progress bar).
+    on_sample_done: Callable[[Sample], None] | None = None
 
     def engine_for(self, key: int) -> EngineClient:
         return self.engines[key % len(self.engines)]

@@ -59,6 +59,10 @@ class RolloutSection(Section):
     reward: str = Field("math", description="reward name or import path")
     reward_options: dict[str, Any] = Field(default_factory=dict)
     filters: list[str] = Field(default_factory=lambda: ["nonzero_std"], description="group filters (names or import paths)")
+    max_rounds: int = Field(
+        1, ge=1, description="rollout rounds per step to refill groups the filters dropped (dynamic sampling)"
+    )
+    buffer: str = Field("fifo", description="buffer name or import path")
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -1,0 +1,1 @@
+"""The built-in rollout layers: a group rollout over a single-turn generate function."""

@@ -1,0 +1,23 @@
+"""The built-in generate function: one engine call per trajectory (single turn)."""
+
+from __future__ import annotations
+
+from miles.interfaces import RolloutContext
+from miles.types import Sample, Status
+
+_FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+async def single_turn_generate(ctx: RolloutContext, sample: Sample) -> Sample:
+    """Sample a response to ``sample.prompt_ids`` and record exactly what the engine returned."""
+    engine = ctx.engine_for(sample.prompt.index * ctx.n_samples_per_prompt + sample.group_index)
+    out = await engine.generate(sample.prompt_ids, ctx.sampling)
+    sample.response_ids = list(out.output_ids)
+    sample.rollout_logprobs = list(out.output_logprobs)
+    sample.loss_mask = [1] * len(out.output_ids)
+    sample.weight_versions = [out.weight_version] * len(out.output_ids)
+    sample.routed_experts = out.routed_experts
+    sample.finish_reason = out.finish_reason
+    sample.status = _FINISH_STATUS.get(out.finish_reason, Status.FAILED)
+    sample.response_text = ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    return sample

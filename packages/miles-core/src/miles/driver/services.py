@@ -1,0 +1,111 @@
+"""The processes a run talks to: rollout engines and the trainer's ranks.
+
+Both are context managers so that an error or Ctrl-C anywhere in the loop stops
+every process the run started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from miles import hookimpl
+from miles.config.schema import MilesConfig
+from miles.errors import EngineError
+from miles.interfaces import Backend, BackendSpec, EngineLauncher, EngineSpec, TransportStats
+from miles.plugins import make_component
+from miles.types import TrainBatch
+
+
+@contextlib.contextmanager
+def rollout_engines(config: MilesConfig, model_path: str, log_dir: str) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """Launch (or attach to) the engines; yields their URLs and the transport options they imply."""
+    eng = config.engine
+    transport_options: dict[str, Any] = {"bucket_mb": config.weight_sync.bucket_mb, **config.weight_sync.options}
+    with contextlib.ExitStack() as stack:
+        options: dict[str, Any] = {
+            "device": eng.device, "dtype": eng.dtype or config.model.dtype,
+            "max_batch_size": eng.max_batch_size, "startup_timeout_s": eng.startup_timeout_s, **eng.options,
+        }
+        if config.transport == "colocated":
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            handoff = stack.enter_context(tempfile.TemporaryDirectory(prefix="miles-handoff-", dir=base))
+            options["handoff_dir"] = transport_options["handoff_dir"] = handoff
+        launcher: EngineLauncher = make_component("engine", eng.launcher)
+        stack.callback(launcher.shutdown)
+        if eng.urls:
+            specs = [EngineSpec(model_path=model_path, host=eng.host, options={**options, "url": u}) for u in eng.urls]
+        else:
+            specs = [
+                EngineSpec(model_path=model_path, host=eng.host,
+                           port=None if eng.port is None else eng.port + i, options=options)
+                for i in range(eng.num_engines)
+            ]
+        urls = launcher.launch(specs, log_dir)
+        if len(urls) != eng.num_engines:
+            raise EngineError(f"launcher {eng.launcher!r} started {len(urls)} engines, expected {eng.num_engines}")
+        yield urls, transport_options
+
+
+@contextlib.contextmanager
+def trainer(config: MilesConfig, model_path: str, engine_urls: list[str],
+            transport_options: dict[str, Any], hooks_pm: Any) -> Iterator[Backend]:
+    """Start the backend's ranks and plug its training step into the ``miles_train_step`` hook."""
+    alg = config.algorithm
+    options: dict[str, Any] = {"train": config.train.model_dump()}
+    section = getattr(config, config.backend, None)
+    if section is not None and hasattr(section, "model_dump"):
+        options[config.backend] = section.model_dump()
+    spec = BackendSpec(
+        model_path=model_path, loss=alg.loss, correction=alg.correction, transport=config.transport,
+        engine_urls=engine_urls, temperature=config.rollout.temperature, options=options,
+        loss_options=alg.loss_options, correction_options=alg.correction_options,
+        transport_options=transport_options, seed=config.run.seed,
+    )
+    backend: Backend = make_component("backend", config.backend)
+    adapter = _BackendStep(backend)
+    try:
+        backend.setup(spec)
+        hooks_pm.register(adapter, name="backend")
+        yield backend
+    finally:
+        if hooks_pm.is_registered(adapter):
+            hooks_pm.unregister(adapter)
+        backend.shutdown()
+
+
+class _BackendStep:
+    """Registers the run's backend as the implementation of ``miles_train_step``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @hookimpl
+    def miles_train_step(self, step: int, batch: TrainBatch) -> dict[str, float]:
+        return self.backend.train_step(batch)
+
+
+def check_engine_versions(loop: Any, engines: list[Any], version: int) -> None:
+    """After an update every engine must report the new version; anything else is a hard error."""
+
+    async def versions() -> list[int]:
+        import asyncio
+
+        return list(await asyncio.gather(*(e.weight_version() for e in engines)))
+
+    got = loop.run_until_complete(versions())
+    wrong = [(e.url, v) for e, v in zip(engines, got, strict=True) if v != version]
+    if wrong:
+        raise EngineError(f"after the weight update to version {version}, engines report {wrong}")
+
+
+def describe_update(stats: TransportStats) -> dict[str, float]:
+    return {
+        "time/weight_update_s": stats.seconds,
+        "weight_sync/bytes": float(stats.bytes_sent),
+        "weight_sync/buckets": float(stats.buckets),
+        "engine/weight_version": float(stats.version),
+    }

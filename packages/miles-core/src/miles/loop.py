@@ -1,0 +1,182 @@
+"""The driver: one synchronous RL loop, readable as pseudocode.
+
+    for each step:
+        groups  = generate(step)            # data source -> rollout fn -> engines -> filters -> buffer
+        metrics = train(step, groups)       # advantages -> loss (+ correction) -> backend step
+        save a checkpoint when one is due
+        update the engines' weights         # transport; engines serve version step+1
+        log the step
+
+Everything else (which engine, which backend, which loss) lives behind those calls
+and is chosen by the recipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from miles.config.schema import MilesConfig
+from miles.driver.components import build_components
+from miles.driver.generation import RolloutStage
+from miles.driver.services import check_engine_versions, describe_update, rollout_engines, trainer
+from miles.driver.training import make_train_batch
+from miles.interfaces import RolloutContext
+from miles.plugins import get_plugin_manager
+from miles.run_dir import LoopState, RunDir
+from miles.tracking.jsonl import JsonlTracker, truncate_after
+from miles.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    steps_done: int
+    metrics_path: str
+    final_dir: str | None
+    checkpoint: str | None
+    seconds: float
+
+
+def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False) -> RunResult:
+    """Run the recipe's RL loop; returns where its results are."""
+    from miles.config import dump_config
+    from miles.models.registry import resolve_model
+
+    t_start = time.perf_counter()
+    run = RunDir(config.run_dir)
+    run.prepare(resume=resume, overwrite=overwrite)
+    with open(run.sub("config.yaml"), "w", encoding="utf-8") as f:
+        f.write(dump_config(config))
+    model_path = resolve_model(config.model.path)
+    pm = get_plugin_manager()
+    hooks = pm.hook
+    hooks.miles_configure.call_historic(kwargs={"config": config})
+    components = build_components(config)
+
+    checkpoint = run.latest_checkpoint() if resume else None
+    state = RunDir.read_state(checkpoint) if checkpoint else LoopState()
+    if checkpoint:
+        components.data_source.load_state_dict(state.data_source)
+        truncate_after(run.sub("metrics.jsonl"), state.step - 1)
+
+    loop = asyncio.new_event_loop()
+    status = "failed"
+    with contextlib.ExitStack() as stack:
+        stack.callback(loop.close)
+        trackers = _start_trackers(config, run, state.step, pm, stack)
+        console = trackers.get("console")
+        engine_urls, transport_options = stack.enter_context(
+            rollout_engines(config, model_path, run.sub("engines")))
+        backend = stack.enter_context(trainer(config, model_path, engine_urls, transport_options, pm))
+        engines = _engine_clients(engine_urls)
+        ctx = _rollout_context(config, model_path, engines, components, console)
+        rollout = RolloutStage(components, ctx, prompts_per_step=config.rollout.prompts_per_step,
+                               max_rounds=config.rollout.max_rounds, hooks=hooks, loop=loop)
+        if checkpoint:
+            backend.load_checkpoint(os.path.join(checkpoint, "trainer"))
+            if state.weight_version > 0:
+                backend.update_weights(state.weight_version)
+                check_engine_versions(loop, engines, state.weight_version)
+        hooks.miles_on_run_start(config=config, run_dir=run.path)
+        try:
+            for step in range(state.step, config.run.num_steps):
+                # generate
+                groups, metrics = rollout.run(step, on_round_start=_rollout_bar(console, step))
+                if console is not None:
+                    console.show_samples(groups)
+                # train
+                if groups:
+                    batch = make_train_batch(groups, components.advantage, step, hooks)
+                    metrics |= hooks.miles_train_step(step=step, batch=batch)
+                else:
+                    metrics["train/skipped"] = 1.0
+                # save when due
+                state = LoopState(step=step + 1, weight_version=step + 1,
+                                  data_source=components.data_source.state_dict())
+                if _save_due(config, step):
+                    checkpoint = _save(run, backend, state, config.run.keep_checkpoints)
+                    hooks.miles_on_checkpoint_saved(step=step, directory=checkpoint)
+                # update weights: the engines serve version step+1 from now on
+                stats = backend.update_weights(state.weight_version)
+                check_engine_versions(loop, engines, state.weight_version)
+                hooks.miles_on_weights_updated(version=state.weight_version, stats=stats)
+                metrics |= describe_update(stats) | components.buffer.metrics()
+                hooks.miles_on_metrics(step=step, metrics=metrics)
+            final_dir = None
+            if config.run.export_hf:
+                final_dir = run.sub("final")
+                backend.export_hf(final_dir)
+            status = "completed"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            hooks.miles_on_run_end(run_dir=run.path, status=status)
+    return RunResult(run_dir=run.path, steps_done=state.step, metrics_path=run.sub("metrics.jsonl"),
+                     final_dir=final_dir, checkpoint=checkpoint, seconds=time.perf_counter() - t_start)
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _save_due(config: MilesConfig, step: int) -> bool:
+    every = config.run.save_every
+    last = step + 1 == config.run.num_steps
+    return every is not None and ((step + 1) % every == 0 or last)
+
+
+def _save(run: RunDir, backend: object, state: LoopState, keep: int) -> str:
+    staging = run.staging_dir(state.step)
+    backend.save_checkpoint(os.path.join(staging, "trainer"))  # type: ignore[attr-defined]
+    return run.commit_checkpoint(staging, state.step, state, keep)
+
+
+def _engine_clients(urls: list[str]) -> list:
+    from miles.engines.client import SGLangClient
+
+    return [SGLangClient(url) for url in urls]
+
+
+def _rollout_context(config: MilesConfig, model_path: str, engines: list, components, console) -> RolloutContext:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    r = config.rollout
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    return RolloutContext(engines=engines, tokenizer=tokenizer, sampling=sampling,
+                          n_samples_per_prompt=r.n_samples_per_prompt, reward=components.reward,
+                          options=dict(r.options),
+                          on_sample_done=console.sample_done if console is not None else None)
+
+
+def _rollout_bar(console, step: int):
+    if console is None:
+        return None
+    return lambda total: console.start_rollout(step, total)
+
+
+def _start_trackers(config: MilesConfig, run: RunDir, first_step: int, pm, stack: contextlib.ExitStack) -> dict:
+    trackers: dict = {}
+    t = config.tracking
+    if t.jsonl:
+        trackers["jsonl"] = JsonlTracker(run.sub("metrics.jsonl"))
+    if t.tensorboard:
+        from miles.tracking.tensorboard import TensorBoardTracker
+
+        trackers["tensorboard"] = TensorBoardTracker(run.sub("tensorboard"))
+    if t.console:
+        from miles.tracking.console import ConsoleTracker
+
+        trackers["console"] = ConsoleTracker(config.run.num_steps, first_step, t.log_samples)
+    for name, tracker in trackers.items():
+        pm.register(tracker, name=f"tracker:{name}")
+        stack.callback(tracker.close)
+        stack.callback(pm.unregister, tracker)
+    return trackers

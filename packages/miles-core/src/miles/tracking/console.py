@@ -1,0 +1,58 @@
+"""The rich console: a bar for the run's steps, a bar for each rollout, a metrics table per step."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from miles import hookimpl
+from miles.types import Group
+
+# The metrics shown in the per-step table, in this order, when present.
+HEADLINE = (
+    "rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "rollout/truncated_frac",
+    "rollout/groups_kept", "rollout/groups_dropped", "train/loss", "train/pg_loss", "train/grad_norm",
+    "train/clipfrac", "correction/ratio_mean", "correction/clipped_frac", "correction/abs_dev",
+    "time/rollout_s", "time/train_step_s", "time/weight_update_s", "engine/weight_version",
+)
+
+
+class ConsoleTracker:
+    def __init__(self, num_steps: int, first_step: int = 0, log_samples: int = 1,
+                 console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.log_samples = log_samples
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=self.console, transient=False,
+        )
+        self._steps = self.progress.add_task("steps", total=num_steps, completed=first_step)
+        self._rollout = self.progress.add_task("rollout", total=1, visible=False)
+        self.progress.start()
+
+    def start_rollout(self, step: int, total_samples: int) -> None:
+        self.progress.reset(self._rollout, total=total_samples, description=f"rollout {step}", visible=True)
+
+    def sample_done(self, _sample: object = None) -> None:
+        self.progress.advance(self._rollout)
+
+    def show_samples(self, groups: list[Group]) -> None:
+        for group in groups[: self.log_samples]:
+            s = group.samples[0]
+            self.console.print(f"[dim]prompt {s.prompt.index} label={s.prompt.label!r} "
+                               f"reward={s.reward}[/dim] {s.response_text[:200]!r}")
+
+    @hookimpl
+    def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        table = Table(title=f"step {step}", show_header=True, header_style="bold", box=None)
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key in HEADLINE:
+            if key in metrics:
+                table.add_row(key, f"{metrics[key]:.4g}")
+        self.console.print(table)
+        self.progress.advance(self._steps)
+
+    def close(self) -> None:
+        self.progress.stop()

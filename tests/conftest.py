@@ -1,0 +1,17 @@
+"""Shared test setup: one torch thread (the CI machine has 2 shared cores) and a repo-local model cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Set before torch is imported anywhere (subprocesses inherit it too).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("MILES_TORCH_THREADS", "1")
+os.environ.setdefault("MILES_CACHE_DIR", str(ROOT / ".miles-cache"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
