@@ -1,0 +1,1 @@
+"""The implementation behind ``miles.plugins`` (import from there, not from here)."""

@@ -1,0 +1,274 @@
+"""Resolve a component reference (an entry-point name or ``pkg.module:attr``) to an object.
+
+stevedore's ``DriverManager`` does the loading: it compares names before importing,
+so selecting ``length_penalty`` imports that one module and nothing else in the group.
+Conflicts are checked on metadata first (before either claimant is imported); the
+``conflict_resolver`` passed to stevedore is the same check, for the case where its
+entry-point cache and our metadata index disagree.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+from typing import Any
+
+from stevedore import DriverManager
+from stevedore.exception import NoMatches
+from stevedore.extension import Extension
+
+from miles._plugins import discovery
+from miles._plugins.discovery import did_you_mean, group_for
+from miles.errors import ComponentError, MilesError
+
+# The protocol each kind of component satisfies once made (rewards and filters are plain callables).
+_PROTOCOLS: dict[str, str] = {
+    "backend": "Backend",
+    "transport": "Transport",
+    "buffer": "Buffer",
+    "loss": "Loss",
+    "correction": "Correction",
+    "advantage": "AdvantageEstimator",
+    "rollout": "RolloutFn",
+    "generate": "GenerateFn",
+    "data_source": "DataSource",
+    "engine": "EngineLauncher",
+}
+
+
+def load_component(kind: str, ref: str) -> Any:
+    """The object that ``ref`` names among the ``kind`` components (a class, a function, ...).
+
+    ``ref`` is an entry-point name in the kind's group (``length_penalty``) or an import
+    path ``package.module:attr``. Raises ``ComponentError`` when the name is unknown,
+    claimed by two distributions, or its module fails to import.
+    """
+    group = group_for(kind)
+    _check_ref_type(kind, ref)
+    if ":" in ref:
+        return _import_path(kind, ref)
+    entries = _named_entries(kind, group, ref)
+    return _load_driver(kind, group, ref, entries)
+
+
+def make_component(kind: str, ref: str, options: dict[str, Any] | None = None) -> Any:
+    """``load_component``, then a class is instantiated with ``**options``; other objects are returned as is.
+
+    The result must satisfy the kind's protocol from ``miles.interfaces`` (rewards and
+    filters must be callable).
+    """
+    obj = load_component(kind, ref)
+    options = dict(options or {})
+    if isinstance(obj, type):
+        _check_options(kind, ref, obj, options)
+        try:
+            made = obj(**options)
+        except MilesError:
+            raise
+        except ValueError as err:  # includes pydantic's ValidationError: bad option values
+            raise ComponentError(f"{kind} {ref!r} rejected its options {options}: {err}") from err
+    elif options:
+        raise ComponentError(
+            f"{kind} {ref!r} is a {type(obj).__name__}, not a class, so it takes no options; "
+            f"remove {', '.join(sorted(options))} from its options"
+        )
+    else:
+        made = obj
+    _check_protocol(kind, ref, made)
+    return made
+
+
+def validate_component_ref(kind: str, ref: str) -> None:
+    """Check that ``ref`` can be resolved without importing it: the name is installed (and
+    unique) and its module exists, or the import path's module can be found.
+
+    Finding a module imports its parent packages (``importlib.util.find_spec``), never the
+    module itself, so this is cheap even for a backend.
+    """
+    group = group_for(kind)
+    _check_ref_type(kind, ref)
+    if ":" in ref:
+        module_name, _ = _split_import_path(kind, ref)
+        _find_module(kind, ref, module_name)
+        return
+    entries = _named_entries(kind, group, ref)
+    entry = entries[0]
+    try:
+        spec = importlib.util.find_spec(entry.module)
+    except Exception as err:
+        raise _import_failure(kind, ref, entry, err) from err
+    if spec is None:
+        raise ComponentError(
+            f"{kind} {ref!r} from {entry.dist_label} points at module {entry.module!r}, which does not exist "
+            f"(entry point {group}: {ref} = {entry.value}); reinstall {entry.distribution}"
+        )
+
+
+def error_on_conflict(namespace: str, name: str, extensions: list[Extension[Any]]) -> Extension[Any]:
+    """stevedore ``conflict_resolver``: two entry points with one name is an error naming both distributions."""
+    entries = [discovery.info_for(ext.entry_point) for ext in extensions]
+    kind = discovery.GROUP_KINDS.get(namespace, "hook plugin")
+    raise ComponentError(discovery.conflict_message(f"{kind} {name!r}", entries))
+
+
+# ------------------------------------------------------------------------------ names
+
+
+def _check_ref_type(kind: str, ref: object) -> None:
+    if not isinstance(ref, str) or not ref.strip():
+        raise ComponentError(
+            f"{kind} reference must be a non-empty string (a name or 'package.module:attr'), got {ref!r}"
+        )
+
+
+def _named_entries(kind: str, group: str, name: str) -> list[discovery.EntryPointInfo]:
+    entries = discovery.providers(group, name)
+    if not entries:
+        raise ComponentError(_unknown_name_message(kind, group, name))
+    if discovery.conflicting(entries):
+        raise ComponentError(discovery.conflict_message(f"{kind} {name!r}", entries))
+    return entries
+
+
+def _unknown_name_message(kind: str, group: str, name: str) -> str:
+    if "." in name:
+        return (
+            f"{kind} {name!r} is not an installed name, and import paths need a colon between the module "
+            f"and the attribute: write {_colon_hint(name)!r}"
+        )
+    installed = discovery.names(group)
+    return (
+        f"no {kind} named {name!r}{did_you_mean(name, installed) or '.'} "
+        f"Installed ({group}): {discovery.describe_installed(group)}. "
+        "A component can also be given as an import path 'package.module:attr'."
+    )
+
+
+def _colon_hint(dotted: str) -> str:
+    module, _, attr = dotted.rpartition(".")
+    return f"{module}:{attr}"
+
+
+def _load_driver(kind: str, group: str, name: str, entries: list[discovery.EntryPointInfo]) -> Any:
+    def on_load_failure(_manager: Any, ep: importlib.metadata.EntryPoint, err: BaseException) -> None:
+        raise _import_failure(kind, name, discovery.info_for(ep), err) from err
+
+    try:
+        manager: DriverManager[Any] = DriverManager(
+            group,
+            name,
+            on_load_failure_callback=on_load_failure,
+            on_missing_entrypoints_callback=None,
+            conflict_resolver=error_on_conflict,
+        )
+    except NoMatches:
+        # Our metadata saw the name but stevedore's entry-point cache did not: stale cache.
+        raise ComponentError(
+            f"{kind} {name!r} is declared by {entries[0].dist_label} but stevedore's entry-point cache does "
+            "not list it; delete ~/.cache/python-entrypoints and retry"
+        ) from None
+    return manager.driver
+
+
+def _import_failure(
+    kind: str, name: str, entry: discovery.EntryPointInfo, err: BaseException
+) -> ComponentError:
+    return ComponentError(
+        f"{kind} {name!r} from {entry.dist_label} failed to import "
+        f"(entry point {entry.group}: {entry.name} = {entry.value}): {type(err).__name__}: {err}"
+    )
+
+
+# ----------------------------------------------------------------------- import paths
+
+
+def _split_import_path(kind: str, ref: str) -> tuple[str, str]:
+    module_name, _, attr = ref.partition(":")
+    module_name, attr = module_name.strip(), attr.strip()
+    if not module_name or not attr or ":" in attr:
+        raise ComponentError(f"{kind} import path {ref!r} must look like 'package.module:attr'")
+    return module_name, attr
+
+
+def _find_module(kind: str, ref: str, module_name: str) -> None:
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError as err:
+        raise ComponentError(f"{kind} {ref!r}: cannot find module {module_name!r} ({err})") from err
+    except Exception as err:
+        raise ComponentError(
+            f"{kind} {ref!r}: importing a parent package of {module_name!r} failed: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    if spec is None:
+        raise ComponentError(f"{kind} {ref!r}: cannot find module {module_name!r}")
+
+
+def _import_path(kind: str, ref: str) -> Any:
+    module_name, attr_path = _split_import_path(kind, ref)
+    _find_module(kind, ref, module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as err:
+        raise ComponentError(
+            f"{kind} {ref!r}: importing module {module_name!r} failed: {type(err).__name__}: {err}"
+        ) from err
+    owner = module_name
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            public = [n for n in dir(obj) if not n.startswith("_")]
+            raise ComponentError(
+                f"{kind} {ref!r}: {owner!r} has no attribute {part!r}{did_you_mean(part, public)}"
+            )
+        obj = getattr(obj, part)
+        owner = f"{owner}.{part}"
+    return obj
+
+
+# -------------------------------------------------------------------------- checking
+
+
+def _check_options(kind: str, ref: str, cls: type, options: dict[str, Any]) -> None:
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # some builtins and C classes have no signature: let the call decide
+        return
+    try:
+        signature.bind(**options)
+    except TypeError as err:
+        accepted = [
+            p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        takes = ", ".join(p.name for p in accepted) or "no options"
+        raise ComponentError(
+            f"{kind} {ref!r} ({cls.__module__}:{cls.__qualname__}) cannot take options "
+            f"{sorted(options)}: {err}; it takes: {takes}"
+        ) from None
+
+
+def _check_protocol(kind: str, ref: str, obj: Any) -> None:
+    protocol_name = _PROTOCOLS.get(kind)
+    if protocol_name is None:
+        if not callable(obj):
+            raise ComponentError(f"{kind} {ref!r} must be callable, got {type(obj).__name__}")
+        return
+    import miles.interfaces as interfaces  # plain dataclasses and Protocols: cheap
+
+    protocol = getattr(interfaces, protocol_name)
+    if isinstance(obj, protocol):
+        return
+    members = _protocol_members(protocol)
+    missing = [m for m in members if not hasattr(obj, m)]
+    raise ComponentError(
+        f"{kind} {ref!r} ({type(obj).__module__}.{type(obj).__qualname__}) does not implement "
+        f"miles.interfaces.{protocol_name}: missing {', '.join(missing) or 'members'}"
+    )
+
+
+def _protocol_members(protocol: type) -> list[str]:
+    body = vars(protocol)
+    names = [n for n in body if not n.startswith("_") or n in ("__call__", "__len__")]
+    names += [n for n in getattr(protocol, "__annotations__", {}) if n not in names]
+    return names

@@ -1,0 +1,1 @@
+"""The built-in objective: GRPO advantages, the PPO clipped loss, truncated importance sampling."""

@@ -1,0 +1,1 @@
+"""Built-in data sources: local files (``jsonl``/``parquet``), ``datasets`` (``hf``), ``reasoning_gym``."""

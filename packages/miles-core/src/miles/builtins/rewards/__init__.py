@@ -1,0 +1,1 @@
+"""Built-in rewards: ``exact_match``, ``math`` and ``reasoning_gym``."""

@@ -1,0 +1,120 @@
+"""The ``miles`` command line.
+
+The root group imports nothing but click: each subcommand lives in its own module,
+imported only when that subcommand runs (its one-line help is kept here so that
+``miles --help`` imports none of them). Errors a user can fix (``MilesError``) print
+as one ``Error: ...`` line and exit 1; ``-v`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from miles.cli._common import configure_logging, is_verbose, verbose_option
+
+# name -> ("module:attribute", one-line help). Add a command here and in its own module.
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("miles.cli.run:run", "Train with a recipe (built-in name or YAML file)."),
+    "config": ("miles.cli.config:config", "Show, validate or describe a recipe's configuration."),
+    "plugins": ("miles.cli.plugins:plugins", "List installed plugins: what they provide and their status."),
+    "recipes": ("miles.cli.recipes:recipes", "List the recipes that can be run by name."),
+    "models": ("miles.cli.models:models", "Built-in models (usable as model.path: builtin:NAME)."),
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def __init__(
+        self, *args: Any, lazy_commands: dict[str, tuple[str, str]] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy_commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy_commands and cmd_name not in self.commands:
+            self.add_command(self._import(cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def _import(self, cmd_name: str) -> click.Command:
+        target, _ = self.lazy_commands[cmd_name]
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            raise click.ClickException(f"the {cmd_name!r} command is not available: {err}") from err
+        command = getattr(module, attr, None)
+        if not isinstance(command, click.Command):
+            raise click.ClickException(f"{target} is not a click command")
+        return command
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name = click.utils.make_str(args[0]) if args else ""
+        if args and not name.startswith("-") and self.get_command(ctx, name) is None:
+            import difflib
+
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            ctx.fail(f"No such command {name!r}.{hint} Commands: {', '.join(self.list_commands(ctx))}.")
+        return super().resolve_command(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        limit = formatter.width - 6 - max(len(name) for name in self.list_commands(ctx))
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in self.lazy_commands and name not in self.commands:
+                rows.append((name, self.lazy_commands[name][1]))
+            else:
+                command = super().get_command(ctx, name)
+                if command is not None and not command.hidden:
+                    rows.append((name, command.get_short_help_str(limit)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class MilesGroup(LazyGroup):
+    """Turns ``MilesError`` into click's one-line ``Error: ...`` (unless ``-v``)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from miles.errors import MilesError
+
+        try:
+            return super().invoke(ctx)
+        except MilesError as err:
+            if is_verbose(ctx):
+                raise
+            raise click.ClickException(str(err)) from err
+
+
+@click.group(
+    cls=MilesGroup, lazy_commands=LAZY_COMMANDS, context_settings={"help_option_names": ["-h", "--help"]}
+)
+@click.version_option(package_name="miles-core", prog_name="miles")
+@verbose_option
+def cli() -> None:
+    """Miles: RL post-training for language models.
+
+    \b
+    Quick start:
+      miles run                      # the built-in default recipe
+      miles run my.yaml --set rollout.temperature=0.7
+      miles config show default      # the resolved recipe
+      miles plugins                  # what is installed
+    """
+    configure_logging()
+
+
+def main() -> None:
+    """Entry point of the ``miles`` console script."""
+    cli(prog_name="miles")

@@ -1,0 +1,31 @@
+"""Plain REINFORCE, as a ``miles.interfaces.Loss``.
+
+Imports torch at the top on purpose: this module is imported only when a recipe
+selects ``algorithm.loss: reinforce``.
+"""
+
+from __future__ import annotations
+
+import torch
+from miles.interfaces import LossInputs, LossOutput
+
+
+class ReinforceLoss:
+    """Minimise ``-A * log pi(token)`` over the trained tokens (no ratio, no clipping).
+
+    Each token's term is weighted by ``loss_mask`` and, when a correction is
+    configured, by its ``correction_weights`` (e.g. truncated importance sampling).
+    The sum is divided by ``num_loss_tokens``, the trained-token count of the whole
+    global batch, so micro-batches add up to a token mean.
+    """
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        weights = inputs.loss_mask.to(inputs.logprobs.dtype)
+        if inputs.correction_weights is not None:
+            weights = weights * inputs.correction_weights.detach()
+        per_token = -inputs.advantages.detach() * inputs.logprobs * weights
+        loss = per_token.sum() / max(int(inputs.num_loss_tokens), 1)
+        with torch.no_grad():
+            trained = inputs.loss_mask.sum().clamp(min=1)
+            mean_logprob = (inputs.logprobs * inputs.loss_mask).sum() / trained
+        return LossOutput(loss=loss, metrics={"pg_loss": loss.item(), "logprob_mean": mean_logprob.item()})

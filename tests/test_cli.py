@@ -1,0 +1,234 @@
+"""The ``miles`` command line: lazy commands, one-line errors, and each command's output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+from click.testing import CliRunner
+from miles.cli import LAZY_COMMANDS, cli
+
+RECIPES = Path(__file__).parent / "data" / "recipes"
+TINY = str(RECIPES / "tiny.yaml")
+MILES = Path(sys.executable).parent / "miles"
+HEAVY = ("torch", "transformers", "numpy", "fastapi")
+
+COMPONENTS = """
+class Backend: ...
+class Transport: ...
+class Buffer: ...
+class Source: ...
+class Launcher: ...
+async def rollout(ctx, prompts): return []
+async def generate(ctx, sample): return sample
+def keep(group): return True
+def advantage(groups): return []
+"""
+ALL_BY_PATH = [
+    "backend=cli_components:Backend",
+    "transport=cli_components:Transport",
+    "rollout.fn=cli_components:rollout",
+    "rollout.generate_fn=cli_components:generate",
+    "rollout.reward=length_penalty",
+    "rollout.filters=[cli_components:keep]",
+    "rollout.buffer=cli_components:Buffer",
+    "algorithm.advantage=cli_components:advantage",
+    "algorithm.loss=cli_components:advantage",
+    "algorithm.correction=null",
+    "data.source=cli_components:Source",
+    "engine.launcher=cli_components:Launcher",
+]
+
+
+def _miles(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(MILES), *args], capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
+
+
+def _private_cache(tmp_path: Path) -> dict[str, str]:
+    """PYTHONPATH plus a private XDG_CACHE_HOME: stevedore caches entry points per sys.path there,
+    so a throw-away path would otherwise leave a cache file in ~/.cache on every run."""
+    return {"PYTHONPATH": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+
+def _invoke(*args: str, **env: str):
+    return CliRunner().invoke(cli, list(args), env=env or None)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """stderr without the plugin warnings (the installed broken fixture plugin always warns)."""
+    return [line for line in stderr.splitlines() if not line.startswith("warning: ")]
+
+
+# --------------------------------------------------------------------------------- help
+
+
+def test_help_imports_no_heavy_library_and_is_fast() -> None:
+    code = (
+        "import sys, time\n"
+        "t0 = time.perf_counter()\n"
+        "sys.argv = ['miles', '--help']\n"
+        "from miles.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+        "lazy = sorted(m for m in sys.modules if m.startswith('miles.cli.') and m != 'miles.cli._common')\n"
+        "print(heavy, lazy, file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stderr.strip() == "[] []"
+    assert "run " in done.stdout and "plugins " in done.stdout
+    start = time.perf_counter()
+    result = _miles("--help")
+    wall = time.perf_counter() - start
+    assert result.returncode == 0
+    print(f"`miles --help` took {wall:.3f}s")
+    assert wall < 5.0  # measured ~0.15s; generous for a loaded 2-core CI machine
+
+
+def test_every_command_has_working_help() -> None:
+    for name in LAZY_COMMANDS:
+        result = _invoke(name, "--help")
+        assert result.exit_code == 0, (name, result.output)
+        assert result.output.startswith(f"Usage: cli {name}")
+    for sub in ("show", "validate", "schema"):
+        assert _invoke("config", sub, "--help").exit_code == 0
+
+
+def test_listed_help_matches_each_command() -> None:
+    ctx = click.Context(cli)
+    for name, (_, short_help) in LAZY_COMMANDS.items():
+        assert cli.get_command(ctx, name).get_short_help_str(limit=1000) == short_help, name
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def test_a_bad_recipe_is_one_error_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: m\ndata:\n  path: d\nrollout:\n  temprature: 0.5\n")
+    result = _miles("config", "validate", str(bad))
+    assert result.returncode == 1
+    assert _error_lines(result.stderr) == [
+        f"Error: recipe {bad}: unknown key 'rollout.temprature' ({bad}:6); did you mean 'rollout.temperature'?"
+    ]
+    assert result.stdout == ""
+
+
+def test_verbose_shows_the_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [\n")
+    for args in (["-v", "config", "validate", str(bad)], ["config", "validate", str(bad), "-v"]):
+        result = _miles(*args)
+        assert result.returncode == 1
+        assert "Traceback (most recent call last)" in result.stderr
+        assert "miles.errors.ConfigError" in result.stderr
+
+
+def test_usage_errors_exit_2() -> None:
+    result = _invoke("run", "--resume", "--overwrite")
+    assert result.exit_code == 2
+    assert "--resume and --overwrite exclude each other" in result.output
+
+
+def test_unknown_command_suggests_the_closest() -> None:
+    result = _invoke("plugin")
+    assert result.exit_code == 2
+    assert (
+        "No such command 'plugin'. Did you mean 'plugins'? Commands: config, models, plugins, recipes, run."
+        in result.output
+    )
+
+
+# ------------------------------------------------------------------------------- config
+
+
+def test_config_show_prints_the_resolved_recipe() -> None:
+    result = _invoke(
+        "config", "show", TINY, "--set", "rollout.temperature=0.25", "--set", "example.target_length=3"
+    )
+    assert result.exit_code == 0, result.output
+    assert "  temperature: 0.25\n" in result.stdout
+    assert "example:\n  target_length: 3\n" in result.stdout
+    assert result.stdout.startswith(f"recipe: {Path(TINY).resolve()}\n")
+
+
+def test_config_validate_ok(tmp_path: Path) -> None:
+    (tmp_path / "cli_components.py").write_text(COMPONENTS)
+    args = [arg for override in ALL_BY_PATH for arg in ("--set", override)]
+    result = _miles("config", "validate", TINY, *args, "--check", env=_private_cache(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"ok: {TINY}\n"
+
+
+def test_config_schema_is_json_with_plugin_sections() -> None:
+    result = _invoke("config", "schema")
+    assert result.exit_code == 0
+    schema = json.loads(result.stdout)
+    assert {"rollout", "example"} <= set(schema["properties"])
+
+
+# ------------------------------------------------------------------------ plugins, recipes
+
+
+def test_plugins_json_and_table() -> None:
+    result = _invoke("plugins", "--json")
+    assert result.exit_code == 0
+    rows = {row["distribution"]: row for row in json.loads(result.stdout)}
+    assert rows["miles-example-plugin"]["status"] == "active"
+    assert rows["miles-example-plugin"]["provides"] == [
+        "hooks:example",
+        "loss:reinforce",
+        "reward:length_penalty",
+    ]
+    assert rows["miles-broken-plugin"]["status"].startswith(
+        "broken: hooks 'broken' failed to import: ModuleNotFoundError"
+    )
+    table = _invoke("plugins")
+    assert table.exit_code == 0
+    assert "miles-example-plugin" in table.stdout and "reward:length_penalty" in table.stdout
+    assert "miles_nonexistent_dependency" in table.stdout.replace("\n", "").replace(" ", "")
+
+
+def test_recipes_lists_builtin_and_path_recipes() -> None:
+    result = _invoke("recipes", MILES_RECIPE_PATH=str(RECIPES))
+    assert result.exit_code == 0
+    assert "default" in result.stdout and "built-in" in result.stdout
+    assert "tiny" in result.stdout and "Tiny test recipe" in result.stdout
+
+
+# ----------------------------------------------------------------------------------- run
+
+
+def test_run_dry_run_validates_and_prints_without_training(tmp_path: Path) -> None:
+    (tmp_path / "cli_components.py").write_text(COMPONENTS)
+    code = (
+        "import sys\n"
+        "from miles.cli import main\n"
+        f"sys.argv = ['miles', 'run', {TINY!r}, '--dry-run', *{[a for o in ALL_BY_PATH for a in ('--set', o)]!r}]\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('LOOP IMPORTED' if 'miles.loop' in sys.modules else 'loop not imported', code, file=sys.stderr)\n"
+    )
+    env = {**os.environ, **_private_cache(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.stderr.strip().endswith("loop not imported 0"), result.stderr
+    assert result.stdout.startswith(f"recipe: {Path(TINY).resolve()}\n")
+    assert "reward: length_penalty" in result.stdout
+
+
+def test_run_selecting_a_broken_plugin_fails_before_training() -> None:
+    result = _miles("run", TINY, "--set", "rollout.reward=broken_reward")
+    assert result.returncode == 1
+    errors = _error_lines(result.stderr)
+    assert errors[0].startswith("Error: ")
+    assert (
+        "rollout.reward: reward 'broken_reward' from miles-broken-plugin 0.0.1 failed to import "
+        "(entry point miles.rewards: broken_reward = miles_broken_plugin.reward:score): "
+        "ModuleNotFoundError: No module named 'miles_nonexistent_dependency'"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
