@@ -87,6 +87,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         hooks.miles_on_run_start(config=config, run_dir=run.path)
         try:
             for step in range(state.step, config.run.num_steps):
+                t_step = time.perf_counter()
                 # generate
                 groups, metrics = rollout.run(step, on_round_start=_rollout_bar(console, step))
                 if console is not None:
@@ -108,6 +109,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                 check_engine_versions(loop, engines, state.weight_version)
                 hooks.miles_on_weights_updated(version=state.weight_version, stats=stats)
                 metrics |= describe_update(stats) | components.buffer.metrics()
+                metrics["time/step_s"] = time.perf_counter() - t_step
                 hooks.miles_on_metrics(step=step, metrics=metrics)
             final_dir = None
             if config.run.export_hf:

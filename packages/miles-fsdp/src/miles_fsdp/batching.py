@@ -1,0 +1,161 @@
+"""Split a training batch across data-parallel ranks and micro-batches, and pad it into tensors.
+
+The driver plans (cheap, no torch) and sends each rank only its rows; a rank turns
+each micro-batch into right-padded tensors. Every rank must run the same number of
+forward/backward passes (each one is a collective under FSDP), so a rank that has
+fewer samples than the busiest one gets empty micro-batches, run as zero-weight
+passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from miles.errors import ComponentError
+from miles.types import TrainBatch
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Row:
+    """The trainer's view of one sample: only what the loss needs, cheap to send to a rank."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    advantages: list[float]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class RankBatch:
+    """One rank's share of a step: its micro-batches (possibly empty ones) and the global counts."""
+
+    micro_batches: list[list[Row]]
+    num_loss_tokens: int  # over the whole global batch: the token-mean denominator
+    step: int
+
+
+def check_batch(batch: TrainBatch) -> None:
+    """Raise on a batch the trainer cannot use, naming the sample and the field.
+
+    A bad batch comes from the rollout function or the advantage estimator (both
+    pluggable), so it is reported as a component error, before any rank sees it.
+    """
+    if not batch.samples:
+        raise ComponentError(f"train batch of step {batch.step} has no samples")
+    for i, (sample, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
+        where = f"train batch of step {batch.step}, sample {i} (prompt {sample.prompt.index})"
+        if not sample.prompt_ids:
+            raise ComponentError(
+                f"{where}: prompt_ids is empty; the first response token needs a prompt to follow"
+            )
+        try:
+            sample.check_aligned()
+        except ValueError as exc:
+            raise ComponentError(f"{where}: {exc}") from None
+        if len(adv) != len(sample.response_ids):
+            raise ComponentError(
+                f"{where}: {len(adv)} advantages for {len(sample.response_ids)} response tokens; "
+                "the advantage estimator must return one value per response token"
+            )
+    if batch.num_loss_tokens == 0:
+        raise ComponentError(
+            f"train batch of step {batch.step}: no sample has a loss token (every loss_mask is 0)"
+        )
+
+
+def plan(lengths: list[int], world_size: int, micro_batch_size: int) -> list[list[list[int]]]:
+    """Assign sample indices to ``[rank][micro_batch]``; every rank gets the same micro-batch count.
+
+    Samples are dealt longest first, round-robin, so ranks get equal counts and
+    similar token loads, and a micro-batch holds samples of similar length (less padding).
+    Ranks with fewer samples get trailing empty micro-batches.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    per_rank = [order[r::world_size] for r in range(world_size)]
+    n_micro = max(1, max((len(p) + micro_batch_size - 1) // micro_batch_size for p in per_rank))
+    out: list[list[list[int]]] = []
+    for rows in per_rank:
+        mbs = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
+        mbs += [[] for _ in range(n_micro - len(mbs))]
+        out.append(mbs)
+    return out
+
+
+def split_batch(batch: TrainBatch, world_size: int, micro_batch_size: int) -> list[RankBatch]:
+    rows = [
+        Row(
+            prompt_ids=list(s.prompt_ids),
+            response_ids=list(s.response_ids),
+            loss_mask=list(s.loss_mask),
+            rollout_logprobs=list(s.rollout_logprobs),
+            advantages=list(adv),
+        )
+        for s, adv in zip(batch.samples, batch.advantages, strict=True)
+    ]
+    layout = plan([r.num_tokens for r in rows], world_size, micro_batch_size)
+    total = batch.num_loss_tokens
+    return [
+        RankBatch(micro_batches=[[rows[i] for i in mb] for mb in mbs], num_loss_tokens=total, step=batch.step)
+        for mbs in layout
+    ]
+
+
+@dataclass
+class MicroBatchTensors:
+    """A micro-batch, right-padded. ``[B, R]`` tensors are aligned on response tokens."""
+
+    input_ids: torch.Tensor  # [B, L]
+    rows: torch.Tensor  # [N] flat indices into the [B*L] logits that predict a response token
+    targets: torch.Tensor  # [N] the response token each of those rows predicts
+    slots: torch.Tensor  # [N] flat indices into the [B*R] response grid
+    rollout_logprobs: torch.Tensor  # [B, R]
+    advantages: torch.Tensor  # [B, R]
+    loss_mask: torch.Tensor  # [B, R] float
+    num_tokens: int  # real (unpadded) tokens, prompt + response
+    num_loss_tokens: int
+
+
+def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> MicroBatchTensors:
+    import torch
+
+    b = len(rows)
+    seq_len = max(r.num_tokens for r in rows)
+    resp_len = max(1, max(len(r.response_ids) for r in rows))
+    input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
+    rollout = torch.zeros(b, resp_len, dtype=torch.float32)
+    adv = torch.zeros(b, resp_len, dtype=torch.float32)
+    mask = torch.zeros(b, resp_len, dtype=torch.float32)
+    logit_rows: list[int] = []
+    targets: list[int] = []
+    slots: list[int] = []
+    for i, r in enumerate(rows):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        input_ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
+        rollout[i, :n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+        adv[i, :n] = torch.tensor(r.advantages, dtype=torch.float32)
+        mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.float32)
+        # Response token j sits at position p + j and is predicted by the logits at p + j - 1.
+        logit_rows.extend(i * seq_len + p - 1 + j for j in range(n))
+        targets.extend(r.response_ids)
+        slots.extend(i * resp_len + j for j in range(n))
+    as_long = {"dtype": torch.long, "device": device}
+    return MicroBatchTensors(
+        input_ids=input_ids.to(device),
+        rows=torch.tensor(logit_rows, **as_long),
+        targets=torch.tensor(targets, **as_long),
+        slots=torch.tensor(slots, **as_long),
+        rollout_logprobs=rollout.to(device),
+        advantages=adv.to(device),
+        loss_mask=mask.to(device),
+        num_tokens=sum(r.num_tokens for r in rows),
+        num_loss_tokens=int(sum(sum(r.loss_mask) for r in rows)),
+    )

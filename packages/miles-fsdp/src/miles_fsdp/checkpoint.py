@@ -1,0 +1,155 @@
+"""Resumable checkpoints (torch distributed checkpoint) and Hugging Face export, run on every rank.
+
+Layout of a resumable checkpoint directory::
+
+    dcp/                   model + optimizer, sharded (torch.distributed.checkpoint); any rank count can load it
+    trainer_state.json     LR-scheduler state, optimizer steps taken, the rank count that wrote it
+    rng/rank{r}.pt         each rank's RNG states (torch CPU, CUDA, python)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from miles.errors import ModelError
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+STATE_FILE = "trainer_state.json"
+
+# Tokenizer and chat-template files a Hugging Face model directory may carry next to its weights.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def save(
+    directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, extra: dict[str, Any]
+) -> None:
+    rank = dist.get_rank()
+    # get_state_dict materialises Adam's state with a zero-lr step when none exists yet; remember
+    # that, so a checkpoint taken before the first step resumes with no state, as a fresh run would.
+    optimizer_started = bool(optimizer.state)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(directory, "dcp"))
+    if not optimizer_started:
+        optimizer.state.clear()
+    os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(directory, "rng", f"rank{rank}.pt"))
+    if rank == 0:
+        state = {
+            "scheduler": scheduler.state_dict(),
+            "world_size": dist.get_world_size(),
+            "optimizer_started": optimizer_started,
+            **extra,
+        }
+        tmp = os.path.join(directory, STATE_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=2)
+        os.replace(tmp, os.path.join(directory, STATE_FILE))
+    # Nobody reports "saved" before every rank's files are complete.
+    dist.barrier()
+
+
+def load(
+    directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> dict[str, Any]:
+    state_path = os.path.join(directory, STATE_FILE)
+    if not os.path.isfile(state_path):
+        raise FileNotFoundError(f"{directory} is not an FSDP checkpoint: {STATE_FILE} is missing")
+    with open(state_path) as f:
+        state = json.load(f)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    to_load = {"model": model_sd, "optim": optim_sd}
+    dcp.load(to_load, checkpoint_id=os.path.join(directory, "dcp"))
+    set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
+    if not state.get("optimizer_started", True):
+        optimizer.state.clear()
+    scheduler.load_state_dict(state["scheduler"])
+    rng_path = os.path.join(directory, "rng", f"rank{dist.get_rank()}.pt")
+    # RNG streams are per rank; with a different rank count they cannot be matched, so keep fresh ones.
+    if state.get("world_size") == dist.get_world_size() and os.path.isfile(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=True))
+    dist.barrier()
+    return state
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def export_hf(
+    directory: str,
+    model: nn.Module,
+    model_path: str,
+    dtype: torch.dtype | None,
+    config_overrides: dict[str, Any] | None = None,
+) -> None:
+    """Write a Hugging Face directory (safetensors, config, tokenizer) of the current weights; rank 0 writes.
+
+    ``config_overrides`` are set on the config only while it is written (e.g. to undo
+    training-time settings such as ``use_cache=False``).
+    """
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        if dtype is not None:
+            full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+        os.makedirs(directory, exist_ok=True)
+        config = model.config
+        overrides = dict(config_overrides or {})
+        if dtype is not None:
+            overrides["dtype"] = dtype
+        saved = {key: getattr(config, key, None) for key in overrides}
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        try:
+            model.save_pretrained(directory, state_dict=full, safe_serialization=True)
+        finally:
+            for key, value in saved.items():
+                setattr(config, key, value)
+        copy_tokenizer_files(model_path, directory)
+    dist.barrier()
+
+
+def copy_tokenizer_files(src: str, dst: str) -> list[str]:
+    if not os.path.isdir(src):
+        raise ModelError(f"model path {src!r} is not a directory; cannot copy its tokenizer files")
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(dst, name))
+            copied.append(name)
+    return copied

@@ -1,0 +1,56 @@
+"""The ``fsdp`` recipe section: how the FSDP2 backend lays out and runs its ranks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+
+class FSDPOptions(BaseModel):
+    """Options of the FSDP2 training backend (recipe key ``fsdp``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    num_ranks: int = Field(1, ge=1, description="data-parallel rank processes (one GPU each on cuda)")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu trains over gloo, cuda over NCCL")
+    param_dtype: DTypeName | None = Field(
+        None,
+        description="mixed precision: dtype of the gathered parameters in forward/backward (None: float32)",
+    )
+    reduce_dtype: DTypeName | None = Field(
+        None, description="mixed precision: dtype of the gradient reduce-scatter (None: param_dtype)"
+    )
+    reshard_after_forward: bool = Field(
+        True,
+        description="free gathered parameters after forward (less memory, one more all-gather in backward)",
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute decoder-layer activations in backward")
+    attn_implementation: str | None = Field(
+        None,
+        description="transformers attention backend (sdpa, eager, flash_attention_2...); None: its default",
+    )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads per rank (None: $MILES_TORCH_THREADS, else torch's default)",
+    )
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of export_hf weights; auto keeps the source checkpoint's dtype"
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="tokens per chunk when turning logits into log-probs (bounds the float32 temporaries)",
+    )
+    start_method: Literal["spawn", "forkserver"] = Field(
+        "spawn",
+        description="how rank processes start: spawn (a fresh interpreter each) or forkserver (forked from a "
+        "server that imported torch and transformers once, much faster to start several times)",
+    )
+    startup_timeout_s: float = Field(300.0, gt=0, description="rank start-up and model loading limit")
+    command_timeout_s: float = Field(
+        3600.0, gt=0, description="limit for one train/save/sync command on the ranks"
+    )

@@ -1,0 +1,90 @@
+"""Per-token log-probabilities (and entropy) of sampled tokens, from logits, in bounded memory.
+
+``log_softmax(logits / T)`` over a whole batch would materialise a float32 copy of the
+logits (and autograd would keep it, plus the scaled copy, for backward). Here only
+the rows that predict a response token are read, a chunk at a time, in float32;
+backward recomputes the softmax of each chunk from the saved logits, so the extra
+memory is one chunk plus the gradient of the logits that the model needs anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows.numel()
+        logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            x = logits.index_select(0, rows[start:end]).float()
+            if temperature != 1.0:
+                x.div_(temperature)
+            chunk_lse = torch.logsumexp(x, dim=-1)
+            lse[start:end] = chunk_lse
+            logprobs[start:end] = x.gather(1, targets[start:end, None]).squeeze(1) - chunk_lse
+            # H = lse - sum(p * x); the metric is a by-product of the softmax we already pay for.
+            probs = torch.exp(x - chunk_lse[:, None])
+            entropy[start:end] = chunk_lse - (probs * x).sum(dim=-1)
+        ctx.save_for_backward(logits, rows, targets, lse)
+        ctx.temperature = temperature
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: torch.Tensor, _grad_entropy: torch.Tensor | None) -> tuple:
+        logits, rows, targets, lse = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad_logits = torch.zeros_like(logits)
+        n = rows.numel()
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            x = logits.index_select(0, rows[start:end]).float()
+            if temperature != 1.0:
+                x.div_(temperature)
+            g_out = grad_logprobs[start:end, None].float()
+            # d/dx [x_t - lse(x)] = onehot(t) - softmax(x); the chain through x = logits / T adds 1/T.
+            grad = torch.exp(x - lse[start:end, None]).mul_(-g_out)
+            grad.scatter_add_(1, targets[start:end, None], g_out)
+            if temperature != 1.0:
+                grad.div_(temperature)
+            # Rows are distinct positions, so a plain indexed copy is exact.
+            grad_logits.index_copy_(0, rows[start:end], grad.to(grad_logits.dtype))
+        return grad_logits, None, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``targets`` under ``softmax(logits[rows] / temperature)``, and its entropy.
+
+    ``logits`` is ``[positions, vocab]`` (any float dtype); ``rows`` and ``targets`` are
+    ``[n]`` (distinct row indices, token ids). Returns two float32 ``[n]`` tensors:
+    log-probs (differentiable w.r.t. ``logits``) and entropies (no gradient).
+    """
+    if logits.dim() != 2:
+        raise ValueError(
+            f"token_logprobs: logits must be [positions, vocab], got shape {tuple(logits.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    return _TokenLogProbs.apply(logits, rows, targets, float(temperature), int(chunk))

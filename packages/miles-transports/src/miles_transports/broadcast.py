@@ -1,0 +1,168 @@
+"""Broadcast transport: rank 0 broadcasts each bucket over a weight-update group that includes the engines.
+
+Set-up (rank 0, once): host a ``TCPStore`` on a free port and ask every engine to
+join (``/init_weights_update_group``; engine ``i`` takes ranks from
+``1 + i * ranks_per_engine``) while joining as rank 0 at the same time, since
+joining blocks until everyone is in. Per bucket: post
+``/update_weights_from_distributed`` (names, dtypes, shapes, weight version) to every
+engine in background threads (each request returns once its engine has received and
+loaded the bucket), broadcast the tensors in that order, then check that every engine
+answered success. gloo on CPU, NCCL on CUDA; the group is separate from the trainer's
+own default process group (see ``miles.engines.weight_group``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import uuid
+from concurrent.futures import wait
+from typing import Any
+
+from miles.errors import ConfigError, EngineError
+
+from miles_transports.bucket import Bucket, BucketedTransport
+from miles_transports.fanout import EngineFanout
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BroadcastTransport(BucketedTransport):
+    """``miles.interfaces.Transport`` over a torch.distributed broadcast group (the default transport)."""
+
+    def __init__(
+        self,
+        bucket_mb: float = 512,
+        dtype: str | None = None,
+        backend: str | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        ranks_per_engine: int = 1,
+        group_name: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(bucket_mb=bucket_mb, dtype=dtype)
+        if backend not in (None, "gloo", "nccl"):
+            raise ConfigError(
+                f"broadcast transport: backend must be gloo, nccl or null (auto), got {backend!r}"
+            )
+        if ranks_per_engine < 1:
+            raise ConfigError(f"broadcast transport: ranks_per_engine must be >= 1, got {ranks_per_engine}")
+        self.backend = backend
+        self.master_address = master_address
+        self.master_port = master_port
+        self.ranks_per_engine = ranks_per_engine
+        self.group_name = group_name or f"miles-weights-{uuid.uuid4().hex[:8]}"
+        self.timeout_s = timeout_s
+        self._group: Any = None
+        self._engines: EngineFanout | None = None
+
+    def _target_device(self) -> str:
+        return self._group.device if self._group is not None else "cpu"
+
+    def _open(self) -> None:
+        try:
+            self._form_group()
+        except BaseException:
+            if self._engines is not None:
+                self._engines.close()
+                self._engines = None
+            raise
+
+    def _form_group(self) -> None:
+        from miles.engines.weight_group import create_weight_group
+
+        backend = self.backend or ("nccl" if self.device.startswith("cuda") else "gloo")
+        port = self.master_port or _free_port(self.master_address)
+        world_size = 1 + self.ranks_per_engine * len(self.engine_urls)
+        self._engines = EngineFanout(self.engine_urls, self.timeout_s, name="miles-bcast")
+        joins = self._engines.submit(
+            "init_weights_update_group",
+            self.master_address,
+            port,
+            world_size=world_size,
+            group_name=self.group_name,
+            backend=backend,
+            per_engine=[{"rank_offset": 1 + i * self.ranks_per_engine} for i in range(len(self.engine_urls))],
+        )
+        outcome: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                outcome["group"] = create_weight_group(
+                    self.master_address,
+                    port,
+                    0,
+                    world_size,
+                    group_name=self.group_name,
+                    backend=backend,
+                    device=self.device if backend == "nccl" else "cpu",
+                    timeout_s=self.timeout_s,
+                )
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        # Joining blocks until every engine is in. An engine that refuses (a stale group of the same
+        # name, no CUDA for nccl...) answers at once: stop waiting then, instead of at the timeout.
+        # The join thread is a daemon so a join that will never complete cannot hold the process.
+        joiner = threading.Thread(target=join, name="miles-weight-group-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(timeout=0.1)
+            if any(f.done() and f.exception() is not None for f in joins):
+                self._engines.gather(joins, "/init_weights_update_group")  # raises, naming the engines
+        if "error" in outcome:
+            # The engines' answers usually say more than our side of a failed rendezvous.
+            wait(joins, timeout=5.0)
+            if all(f.done() for f in joins):
+                self._engines.gather(joins, "/init_weights_update_group")
+            raise EngineError(
+                f"broadcast transport: could not form the weight group with the engines: {outcome['error']}"
+            ) from outcome["error"]
+        self._group = outcome["group"]
+        self._engines.gather(joins, "/init_weights_update_group")
+
+    def _send_bucket(self, bucket: Bucket, version: int) -> None:
+        assert self._engines is not None and self._group is not None
+        futures = self._engines.submit(
+            "update_weights_from_distributed",
+            bucket.names,
+            [str(t.dtype) for _, t in bucket.tensors],
+            [list(t.shape) for _, t in bucket.tensors],
+            group_name=self.group_name,
+            weight_version=version if bucket.last else None,
+            flush_cache=bucket.last,
+        )
+        broadcast_error: BaseException | None = None
+        try:
+            for _, tensor in bucket.tensors:
+                self._group.broadcast(tensor, src=0)
+        except Exception as exc:  # the engines' answers usually say why the group broke
+            broadcast_error = exc
+        try:
+            self._engines.gather(futures, "/update_weights_from_distributed")
+        except EngineError as exc:
+            raise exc from broadcast_error
+        if broadcast_error is not None:
+            raise EngineError(
+                f"broadcast transport: broadcasting bucket {bucket.index} failed: {broadcast_error}"
+            ) from broadcast_error
+
+    def _close(self) -> None:
+        group, self._group = self._group, None
+        engines, self._engines = self._engines, None
+        try:
+            if engines is not None and group is not None:
+                # An engine that is gone has no group left to destroy.
+                with contextlib.suppress(EngineError):
+                    engines.call_all("destroy_weights_update_group", self.group_name)
+        finally:
+            if group is not None:
+                group.destroy()
+            if engines is not None:
+                engines.close()
