@@ -1,0 +1,689 @@
+"""The one client Miles uses for rollout engines: SGLang's native HTTP API.
+
+The embedded engine (``miles.engines.embedded``) implements the same endpoints,
+so this code runs against it on every CPU test and unchanged against real SGLang
+servers on a GPU cluster. Only the request bodies and response fields below are
+relied on; they follow SGLang's ``http_server.py`` / ``io_struct.py``:
+
+- ``POST /generate`` with ``input_ids``, ``sampling_params``, ``return_logprob``,
+  ``rid``, ``return_routed_experts``. The answer carries ``output_ids``, ``text``
+  and ``meta_info`` with ``finish_reason.type`` (stop / length / abort),
+  ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples,
+  ``weight_version`` (a string; Miles writes integers) and, for MoE models,
+  ``routed_experts``: base64 of little-endian int32 with logical shape
+  ``(prompt_len + output_len - 1, num_moe_layers, topk)`` covering every token
+  the model consumed. The client keeps the last ``output_len`` rows: row ``j``
+  is the routing of the forward pass that produced output token ``j``.
+- Control: ``/health``, ``/get_weight_version``, ``/get_model_info``,
+  ``/get_server_info``, ``/pause_generation {mode}``, ``/continue_generation``,
+  ``/flush_cache``, ``/abort_request {rid | abort_all}``,
+  ``/update_weight_version {new_version}``.
+- Weights: ``/update_weights_from_disk``, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+  ``/update_weights_from_tensor``. Failures come back as HTTP 400 with
+  ``{"success": false, "message": ...}``.
+
+Any failure becomes one :class:`miles.errors.EngineError` naming the engine URL,
+the endpoint and the server's message.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from miles.errors import EngineError
+from miles.types import GenerateOutput, SamplingParams
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+FINISH_REASONS = ("stop", "length", "abort")
+#: ``load_format`` of ``/update_weights_from_tensor`` for the colocated hand-off: each entry of
+#: ``serialized_named_tensors`` names a safetensors file inside the engine's hand-off directory.
+HANDOFF_LOAD_FORMAT = "miles_safetensors_file"
+DEFAULT_GROUP = "weight_update_group"
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One HTTP call to an engine: built once, sent by the async or the sync client."""
+
+    method: str
+    path: str
+    body: dict[str, Any] | None = None
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url:
+        raise EngineError("engine URL is empty")
+    if "://" not in url:
+        url = "http://" + url
+    return url
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+def generate_call(
+    input_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    rid: str | None = None,
+    return_routed_experts: bool = False,
+) -> EngineCall:
+    body: dict[str, Any] = {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": params.to_sglang(),
+        "return_logprob": True,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if return_routed_experts:
+        body["return_routed_experts"] = True
+    return EngineCall("POST", "/generate", body)
+
+
+def pause_call(mode: str = "abort") -> EngineCall:
+    if mode not in PAUSE_MODES:
+        raise EngineError(f"pause_generation: mode {mode!r} is not one of {PAUSE_MODES}")
+    return EngineCall("POST", "/pause_generation", {"mode": mode})
+
+
+def _with_version(body: dict[str, Any], weight_version: int | str | None) -> dict[str, Any]:
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def update_from_disk_call(
+    model_path: str, weight_version: int | str | None = None, *, flush_cache: bool = True
+) -> EngineCall:
+    body = {"model_path": str(model_path), "flush_cache": flush_cache}
+    return EngineCall("POST", "/update_weights_from_disk", _with_version(body, weight_version))
+
+
+def init_group_call(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "gloo",
+) -> EngineCall:
+    body = {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
+    return EngineCall("POST", "/init_weights_update_group", body)
+
+
+def update_from_distributed_call(
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group_name: str = DEFAULT_GROUP,
+    weight_version: int | str | None = None,
+    flush_cache: bool = True,
+) -> EngineCall:
+    if not len(names) == len(dtypes) == len(shapes):
+        raise EngineError(
+            f"update_weights_from_distributed: {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes; "
+            "they must have one entry per tensor"
+        )
+    body = {
+        "names": list(names),
+        # SGLang spells dtypes without the "torch." prefix.
+        "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+        "shapes": [[int(s) for s in shape] for shape in shapes],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+    }
+    return EngineCall("POST", "/update_weights_from_distributed", _with_version(body, weight_version))
+
+
+def destroy_group_call(group_name: str = DEFAULT_GROUP) -> EngineCall:
+    return EngineCall("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+
+def update_from_tensor_call(
+    files: Sequence[str],
+    weight_version: int | str | None = None,
+    *,
+    load_format: str = HANDOFF_LOAD_FORMAT,
+    flush_cache: bool = True,
+) -> EngineCall:
+    body = {
+        "serialized_named_tensors": [str(f) for f in files],
+        "load_format": load_format,
+        "flush_cache": flush_cache,
+    }
+    return EngineCall("POST", "/update_weights_from_tensor", _with_version(body, weight_version))
+
+
+def update_version_call(version: int | str) -> EngineCall:
+    return EngineCall(
+        "POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+    )
+
+
+CONTINUE = EngineCall("POST", "/continue_generation", {})
+FLUSH = EngineCall("POST", "/flush_cache")
+WEIGHT_VERSION = EngineCall("GET", "/get_weight_version")
+MODEL_INFO = EngineCall("GET", "/get_model_info")
+SERVER_INFO = EngineCall("GET", "/get_server_info")
+HEALTH = EngineCall("GET", "/health")
+
+
+def abort_call(rid: str | None = None, *, abort_all: bool = False) -> EngineCall:
+    if not abort_all and not rid:
+        raise EngineError("abort_request needs a request id (or abort_all=True)")
+    return EngineCall("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+
+# --------------------------------------------------------------- response parsing
+
+
+def parse_weight_version(value: Any, *, where: str = "engine") -> int:
+    """SGLang reports versions as strings; Miles writes integers. A fresh SGLang says "default" (= 0)."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise EngineError(
+            f"{where}: weight_version {value!r} is not an integer; Miles sets integer versions "
+            "(via update_weight_version / the weight-update calls)"
+        ) from None
+
+
+def decode_routed_experts(
+    payload: str | list,
+    *,
+    shape: Sequence[int] | None = None,
+    rows: int | None = None,
+    num_layers: int | None = None,
+    topk: int | None = None,
+) -> list[list[list[int]]]:
+    """Decode SGLang's routed-experts payload into ``[token][layer][k]`` expert ids.
+
+    ``payload`` is base64 of little-endian int32 (or, leniently, an already nested list).
+    The layout is taken from ``shape`` when the engine sends it (the embedded engine
+    does, as ``routed_experts_shape``), else from ``rows`` and ``num_layers`` or ``topk``.
+    """
+    if isinstance(payload, list):
+        return [[[int(e) for e in layer] for layer in row] for row in payload]
+    values = array.array("i")
+    if values.itemsize != 4:  # pragma: no cover - exotic platform
+        raise EngineError("routed experts: this platform has no 4-byte C int")
+    try:
+        values.frombytes(base64.b64decode(payload))
+    except (ValueError, TypeError) as exc:
+        raise EngineError(f"routed experts: payload is not base64 of int32 values: {exc}") from exc
+    if sys.byteorder == "big":  # pragma: no cover
+        values.byteswap()
+    n = len(values)
+    if shape is not None:
+        rows, num_layers, topk = (int(s) for s in shape)
+    else:
+        if rows is None:
+            raise EngineError("routed experts: cannot reshape without the number of token rows")
+        if rows == 0:
+            return []
+        cols, rem = divmod(n, rows)
+        if rem:
+            raise EngineError(f"routed experts: {n} values do not split into {rows} token rows")
+        if num_layers is None and topk is None:
+            raise EngineError(
+                "routed experts: the engine did not send their shape; give the client moe_num_layers or moe_topk"
+            )
+        if num_layers is None:
+            num_layers = cols // topk if topk else 0
+        topk = cols // num_layers if num_layers else 0
+    if rows * num_layers * topk != n:
+        raise EngineError(f"routed experts: {n} values do not fit the shape ({rows}, {num_layers}, {topk})")
+    flat = values.tolist()
+    per_row = num_layers * topk
+    return [
+        [flat[r * per_row + layer * topk : r * per_row + (layer + 1) * topk] for layer in range(num_layers)]
+        for r in range(rows)
+    ]
+
+
+def parse_generate_response(
+    data: Any,
+    *,
+    prompt_len: int,
+    url: str = "engine",
+    moe_num_layers: int | None = None,
+    moe_topk: int | None = None,
+) -> GenerateOutput:
+    """Turn SGLang's ``/generate`` answer into a :class:`GenerateOutput` (aligned on output tokens)."""
+    where = f"engine {url}/generate"
+    if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
+        raise EngineError(f"{where}: answer has no meta_info (got {str(data)[:200]!r})")
+    meta = data["meta_info"]
+    finish = meta.get("finish_reason")
+    ftype = finish.get("type") if isinstance(finish, dict) else finish
+    if ftype not in FINISH_REASONS:
+        message = finish.get("message") if isinstance(finish, dict) else None
+        raise EngineError(
+            f"{where}: unexpected finish_reason {finish!r}" + (f": {message}" if message else "")
+        )
+    triples = meta.get("output_token_logprobs")
+    if triples is None:
+        raise EngineError(
+            f"{where}: answer has no meta_info.output_token_logprobs (was return_logprob dropped?)"
+        )
+    logprobs = [float(t[0]) for t in triples]
+    ids_from_logprobs = [int(t[1]) for t in triples]
+    output_ids = data.get("output_ids")
+    if output_ids is None:
+        output_ids = ids_from_logprobs
+    else:
+        output_ids = [int(t) for t in output_ids]
+        if output_ids != ids_from_logprobs:
+            raise EngineError(
+                f"{where}: output_ids ({len(output_ids)} tokens) disagree with output_token_logprobs "
+                f"({len(ids_from_logprobs)} tokens)"
+            )
+    routed = None
+    if meta.get("routed_experts") is not None:
+        prompt_tokens = int(meta.get("prompt_tokens", prompt_len))
+        all_rows = decode_routed_experts(
+            meta["routed_experts"],
+            shape=meta.get("routed_experts_shape"),
+            rows=max(prompt_tokens + len(output_ids) - 1, 0),
+            num_layers=moe_num_layers,
+            topk=moe_topk,
+        )
+        # Row i is the routing of consumed token i; the forward that produced output j consumed token P-1+j.
+        routed = all_rows[prompt_tokens - 1 : prompt_tokens - 1 + len(output_ids)] if prompt_tokens else []
+        if len(routed) != len(output_ids):
+            raise EngineError(
+                f"{where}: routed experts cover {len(all_rows)} tokens, expected {prompt_tokens + len(output_ids) - 1}"
+            )
+    return GenerateOutput(
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        finish_reason=ftype,
+        weight_version=parse_weight_version(meta.get("weight_version"), where=where),
+        text=data.get("text") or "",
+        routed_experts=routed,
+        prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
+    )
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:1000] or response.reason_phrase
+    if isinstance(data, dict):
+        for key in ("message", "detail", "error"):
+            value = data.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)
+    return str(data)[:1000]
+
+
+def _decode(response: httpx.Response, url: str, call: EngineCall) -> Any:
+    if response.status_code >= 400:
+        raise EngineError(f"engine {url}{call.path}: HTTP {response.status_code}: {_error_message(response)}")
+    if not response.content:
+        return None
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text
+    if isinstance(data, dict) and data.get("success") is False:
+        raise EngineError(f"engine {url}{call.path}: {data.get('message') or 'failed'}")
+    return data
+
+
+def _transport_error(url: str, call: EngineCall, exc: Exception, timeout: float | None) -> EngineError:
+    if isinstance(exc, httpx.TimeoutException):
+        return EngineError(f"engine {url}{call.path}: no answer within {timeout} s")
+    return EngineError(f"engine {url}{call.path}: cannot reach the engine: {exc!r}")
+
+
+_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+
+
+# --------------------------------------------------------------------- clients
+
+
+class SGLangClient:
+    """Async client for one engine (implements :class:`miles.interfaces.EngineClient`).
+
+    ``moe_num_layers`` / ``moe_topk`` are only needed to decode routed experts from a
+    real SGLang server (which does not send their shape); the embedded engine sends it.
+    The client may be used from several event loops in turn: it keeps one connection
+    pool per loop.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 600.0,
+        *,
+        moe_num_layers: int | None = None,
+        moe_topk: int | None = None,
+    ) -> None:
+        self.url = normalize_url(url)
+        self.timeout = timeout
+        self.moe_num_layers = moe_num_layers
+        self.moe_topk = moe_topk
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.url!r})"
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:
+            # A pool belongs to the loop that opened its connections; the old one is dropped, not reused.
+            self._http = httpx.AsyncClient(
+                base_url=self.url, timeout=self.timeout, limits=_LIMITS, trust_env=False
+            )
+            self._loop = loop
+        return self._http
+
+    async def call(self, call: EngineCall, *, timeout: float | None = None) -> Any:
+        """Send one call; returns the decoded JSON (or text, or None for an empty body)."""
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            response = await self._client().request(call.method, call.path, json=call.body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.url, call, exc, timeout) from exc
+        return _decode(response, self.url, call)
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = self._loop = None
+
+    # -- generation
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput:
+        call = generate_call(input_ids, params, rid=rid, return_routed_experts=return_routed_experts)
+        data = await self.call(call)
+        return parse_generate_response(
+            data,
+            prompt_len=len(input_ids),
+            url=self.url,
+            moe_num_layers=self.moe_num_layers,
+            moe_topk=self.moe_topk,
+        )
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        try:
+            response = await self._client().get(HEALTH.path, timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def weight_version(self) -> int:
+        data = await self.call(WEIGHT_VERSION)
+        return parse_weight_version((data or {}).get("weight_version"), where=f"engine {self.url}")
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self.call(MODEL_INFO)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self.call(SERVER_INFO)
+
+    # -- control
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self.call(pause_call(mode))
+
+    async def continue_generation(self) -> None:
+        await self.call(CONTINUE)
+
+    async def flush_cache(self, *, retries: int = 60, interval_s: float = 1.0) -> None:
+        """SGLang refuses (HTTP 400) to flush while requests are in flight; retry until it is idle."""
+        for attempt in range(retries + 1):
+            try:
+                await self.call(FLUSH)
+                return
+            except EngineError as exc:
+                if "HTTP 400" not in str(exc) or attempt == retries:
+                    raise
+            await asyncio.sleep(interval_s)
+
+    async def abort_request(self, rid: str) -> None:
+        await self.call(abort_call(rid))
+
+    async def abort_all(self) -> None:
+        await self.call(abort_call(abort_all=True))
+
+    async def update_weight_version(self, version: int | str) -> None:
+        await self.call(update_version_call(version))
+
+    # -- weights
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int | str | None = None, *, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        return await self.call(update_from_disk_call(model_path, weight_version, flush_cache=flush_cache))
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "gloo",
+    ) -> dict[str, Any]:
+        return await self.call(
+            init_group_call(master_address, master_port, rank_offset, world_size, group_name, backend)
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = DEFAULT_GROUP,
+        weight_version: int | str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        return await self.call(
+            update_from_distributed_call(names, dtypes, shapes, group_name, weight_version, flush_cache)
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
+        return await self.call(destroy_group_call(group_name))
+
+    async def update_weights_from_tensor(
+        self,
+        files: Sequence[str],
+        weight_version: int | str | None = None,
+        *,
+        load_format: str = HANDOFF_LOAD_FORMAT,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        return await self.call(
+            update_from_tensor_call(files, weight_version, load_format=load_format, flush_cache=flush_cache)
+        )
+
+
+class SyncEngineClient:
+    """Blocking twin of :class:`SGLangClient` for processes without an event loop (trainer rank 0)."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 600.0,
+        *,
+        moe_num_layers: int | None = None,
+        moe_topk: int | None = None,
+    ) -> None:
+        self.url = normalize_url(url)
+        self.timeout = timeout
+        self.moe_num_layers = moe_num_layers
+        self.moe_topk = moe_topk
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, trust_env=False)
+
+    def __repr__(self) -> str:
+        return f"SyncEngineClient({self.url!r})"
+
+    def __enter__(self) -> SyncEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(self, call: EngineCall, *, timeout: float | None = None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            response = self._http.request(call.method, call.path, json=call.body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.url, call, exc, timeout) from exc
+        return _decode(response, self.url, call)
+
+    def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput:
+        data = self.call(
+            generate_call(input_ids, params, rid=rid, return_routed_experts=return_routed_experts)
+        )
+        return parse_generate_response(
+            data,
+            prompt_len=len(input_ids),
+            url=self.url,
+            moe_num_layers=self.moe_num_layers,
+            moe_topk=self.moe_topk,
+        )
+
+    def health(self, timeout: float = 5.0) -> bool:
+        try:
+            return self._http.get(HEALTH.path, timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def weight_version(self) -> int:
+        data = self.call(WEIGHT_VERSION)
+        return parse_weight_version((data or {}).get("weight_version"), where=f"engine {self.url}")
+
+    def get_model_info(self) -> dict[str, Any]:
+        return self.call(MODEL_INFO)
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.call(SERVER_INFO)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.call(pause_call(mode))
+
+    def continue_generation(self) -> None:
+        self.call(CONTINUE)
+
+    def flush_cache(self, *, retries: int = 60, interval_s: float = 1.0) -> None:
+        """SGLang refuses (HTTP 400) to flush while requests are in flight; retry until it is idle."""
+        for attempt in range(retries + 1):
+            try:
+                self.call(FLUSH)
+                return
+            except EngineError as exc:
+                if "HTTP 400" not in str(exc) or attempt == retries:
+                    raise
+            time.sleep(interval_s)
+
+    def abort_request(self, rid: str) -> None:
+        self.call(abort_call(rid))
+
+    def abort_all(self) -> None:
+        self.call(abort_call(abort_all=True))
+
+    def update_weight_version(self, version: int | str) -> None:
+        self.call(update_version_call(version))
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: int | str | None = None, *, flush_cache: bool = True
+    ) -> dict[str, Any]:
+        return self.call(update_from_disk_call(model_path, weight_version, flush_cache=flush_cache))
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "gloo",
+    ) -> dict[str, Any]:
+        return self.call(
+            init_group_call(master_address, master_port, rank_offset, world_size, group_name, backend)
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = DEFAULT_GROUP,
+        weight_version: int | str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        return self.call(
+            update_from_distributed_call(names, dtypes, shapes, group_name, weight_version, flush_cache)
+        )
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
+        return self.call(destroy_group_call(group_name))
+
+    def update_weights_from_tensor(
+        self,
+        files: Sequence[str],
+        weight_version: int | str | None = None,
+        *,
+        load_format: str = HANDOFF_LOAD_FORMAT,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        return self.call(
+            update_from_tensor_call(files, weight_version, load_format=load_format, flush_cache=flush_cache)
+        )
+
+
+def call_engine(
+    url: str,
+    endpoint: str,
+    json: dict[str, Any] | None = None,
+    *,
+    method: str = "POST",
+    timeout: float = 600.0,
+) -> Any:
+    """One blocking call to ``url + endpoint``; returns the decoded answer or raises EngineError."""
+    with SyncEngineClient(url, timeout=timeout) as client:
+        return client.call(EngineCall(method, endpoint if endpoint.startswith("/") else "/" + endpoint, json))

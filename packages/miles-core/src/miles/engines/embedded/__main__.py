@@ -1,0 +1,3 @@
+from miles.engines.embedded.server import main
+
+main()

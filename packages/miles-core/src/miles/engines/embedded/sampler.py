@@ -1,0 +1,284 @@
+"""The decode loop: prefill, one-token steps over a left-padded batch, and sampling.
+
+A running batch keeps one ``DynamicCache`` for all its rows. Every row is
+left-padded, so its real tokens always end at the right edge; the attention mask
+marks padding and ``position_ids`` count each row's real tokens. Each row has one
+*pending* token: sampled, returned to the caller, not yet fed to the model. A
+decode step feeds the pending tokens of all rows at once.
+
+New requests are prefilled as their own batch and then merged into the running
+one (caches and masks left-padded to a common length), so a request joins at the
+next step instead of waiting for the batch to drain (continuous batching). This
+needs plain ``DynamicLayer`` caches; for models whose cache has other layer
+types (sliding windows, linear attention) :func:`cache_is_mergeable` says no and
+the scheduler admits new requests only into an empty batch.
+
+Reported log-probabilities: for a row sampled at temperature ``T > 0`` the
+logprob of token ``t`` is ``log_softmax(logits / T)[t]``, taken over the *full*
+vocabulary, before top-k / top-p truncation. That is exactly what the trainer
+recomputes from its own forward pass, so train/rollout mismatch measures only the
+numerical difference between the two. Greedy rows (``T == 0``) report
+``log_softmax(logits)[t]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from miles.engines.embedded.routing import RoutingRecorder
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """One ``/generate`` request as the scheduler sees it."""
+
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_ids: frozenset[int] = frozenset()
+    seed: int | None = None
+    return_logprob: bool = True
+    return_routed_experts: bool = False
+    routed_start: int = 0  # first position whose routing is returned
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # Routing of every consumed token in position order, as int32 chunks of [n, num_layers, topk]
+    # (copies, so a prefill's whole-batch capture is not kept alive by one row).
+    routed: list[torch.Tensor] = field(default_factory=list)
+    num_routed: int = 0
+    finish: dict[str, Any] | None = None
+    error: str | None = None
+    abort_requested: bool = False
+    generator: torch.Generator | None = None
+    on_done: Any = None  # callable(GenRequest), called once from the scheduler thread
+
+    @property
+    def num_fed(self) -> int:
+        """Tokens the model has consumed: the prompt and every output but the pending one."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+
+def cache_is_mergeable(model: Any) -> bool:
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+# ------------------------------------------------------------------- sampling
+
+
+def sample_tokens(
+    logits: torch.Tensor, rows: Sequence[GenRequest], default_generator: torch.Generator
+) -> tuple[list[int], list[float]]:
+    """Sample one token per row of ``logits`` [B, V]; returns the tokens and their logprobs."""
+    logits = logits.float()
+    temps = torch.tensor(
+        [r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device, dtype=torch.float32
+    )
+    logp = F.log_softmax(logits / temps[:, None], dim=-1)
+    vocab = logits.shape[-1]
+    tokens: list[int] = []
+    for i, row in enumerate(rows):
+        if row.temperature <= 0:
+            tokens.append(int(torch.argmax(logits[i])))
+            continue
+        filtered = logp[i]
+        if 0 < row.top_k < vocab:
+            kth = torch.topk(filtered, row.top_k).values[-1]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if row.top_p < 1.0:
+            sorted_lp, order = torch.sort(filtered, descending=True)
+            probs = sorted_lp.exp()
+            # Drop a token once the mass before it already reaches top_p (the top token always stays).
+            drop = (torch.cumsum(probs, dim=-1) - probs) >= row.top_p
+            filtered = filtered.clone()
+            filtered[order[drop]] = float("-inf")
+        probs = torch.softmax(filtered, dim=-1)
+        gen = row.generator if row.generator is not None else default_generator
+        tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+    index = torch.tensor(tokens, device=logits.device)[:, None]
+    chosen = logp.gather(1, index).squeeze(1).tolist()
+    return tokens, chosen
+
+
+# ---------------------------------------------------------------- the batch
+
+
+@dataclass
+class DecodeBatch:
+    rows: list[GenRequest]
+    cache: Any  # transformers DynamicCache covering every fed token
+    mask: torch.Tensor  # [B, cache_len] long, 1 on real tokens
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _rebuild_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def merge_batches(a: DecodeBatch | None, b: DecodeBatch | None) -> DecodeBatch | None:
+    """One batch with the rows of both; the shorter cache is left-padded (masked)."""
+    if a is None or not a.rows:
+        return b
+    if b is None or not b.rows:
+        return a
+    length = max(a.mask.shape[1], b.mask.shape[1])
+    layers = []
+    for (ka, va, _), (kb, vb, _) in zip(a.cache, b.cache, strict=True):
+        layers.append(
+            (
+                torch.cat([_pad_left(ka, length, -2), _pad_left(kb, length, -2)], dim=0),
+                torch.cat([_pad_left(va, length, -2), _pad_left(vb, length, -2)], dim=0),
+            )
+        )
+    mask = torch.cat([_pad_left(a.mask, length, 1), _pad_left(b.mask, length, 1)], dim=0)
+    return DecodeBatch(rows=a.rows + b.rows, cache=_rebuild_cache(layers), mask=mask)
+
+
+def select_rows(batch: DecodeBatch, keep: list[int], mergeable: bool) -> DecodeBatch | None:
+    """Keep only rows ``keep``; drop cache columns that became padding for every row."""
+    if not keep:
+        return None
+    if len(keep) == len(batch.rows):
+        return batch
+    index = torch.tensor(keep, device=batch.mask.device)
+    mask = batch.mask.index_select(0, index)
+    if not mergeable:
+        batch.cache.batch_select_indices(index)
+        return DecodeBatch(rows=[batch.rows[i] for i in keep], cache=batch.cache, mask=mask)
+    real = mask.any(dim=0).nonzero()
+    start = int(real[0]) if len(real) else 0
+    layers = [
+        (k.index_select(0, index)[..., start:, :], v.index_select(0, index)[..., start:, :])
+        for k, v, _ in batch.cache
+    ]
+    return DecodeBatch(rows=[batch.rows[i] for i in keep], cache=_rebuild_cache(layers), mask=mask[:, start:])
+
+
+class Runner:
+    """Runs the model: prefill new rows, decode one step, sample, record routing."""
+
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        *,
+        max_context: int,
+        recorder: RoutingRecorder | None,
+        seed: int | None = None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.max_context = max_context
+        self.recorder = recorder if recorder is not None and recorder.is_moe else None
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _forward(
+        self,
+        rows: list[GenRequest],
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        record = self.recorder is not None and any(r.return_routed_experts for r in rows)
+        if record:
+            self.recorder.start()
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            routing = self.recorder.stop(*input_ids.shape) if record else None
+        return out.logits[:, -1, :], routing
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[GenRequest]) -> DecodeBatch:
+        """Feed every row's prompt (and, for retracted rows, all outputs so far); sample the next token."""
+        from transformers import DynamicCache
+
+        seqs = [r.prompt_ids + r.output_ids for r in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits, routing = self._forward(rows, ids, mask, positions, cache)
+        if routing is not None:
+            for i, (row, s) in enumerate(zip(rows, seqs, strict=True)):
+                if row.return_routed_experts and row.num_routed < len(s):
+                    offset = width - len(s)
+                    row.routed.append(routing[i, offset + row.num_routed : offset + len(s)].clone())
+                    row.num_routed = len(s)
+        self._append(rows, logits)
+        return DecodeBatch(rows=list(rows), cache=cache, mask=mask)
+
+    @torch.inference_mode()
+    def decode(self, batch: DecodeBatch) -> None:
+        """Feed each row's pending token; sample the next one."""
+        rows = batch.rows
+        ids = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[r.num_fed] for r in rows], dtype=torch.long, device=self.device)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(rows), 1)], dim=1)
+        logits, routing = self._forward(rows, ids, batch.mask, positions, batch.cache)
+        if routing is not None:
+            for i, row in enumerate(rows):
+                if row.return_routed_experts:
+                    row.routed.append(routing[i, 0:1].clone())
+                    row.num_routed += 1
+        self._append(rows, logits)
+
+    def _append(self, rows: list[GenRequest], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample_tokens(logits, rows, self.generator)
+        for row, tok, lp in zip(rows, tokens, logprobs, strict=True):
+            row.output_ids.append(tok)
+            row.output_logprobs.append(lp)
+            if tok in row.stop_ids:
+                row.finish = {"type": "stop", "matched": tok}
+            elif (
+                len(row.output_ids) >= row.max_new_tokens
+                or len(row.prompt_ids) + len(row.output_ids) >= self.max_context
+            ):
+                row.finish = {"type": "length", "length": len(row.output_ids)}

@@ -1,0 +1,270 @@
+"""The batching loop: one thread that owns the model's forward passes.
+
+Requests wait in a FIFO queue. Each scheduler step decodes one token for every
+running row, then admits waiting requests up to ``max_batch_size`` (prefilled
+together and merged into the running batch), then retires finished rows and
+answers them. Every change to the running batch happens under ``step_lock``; a
+weight update takes the same lock, so it lands between two steps, never inside a
+forward pass.
+
+Pause modes (``/pause_generation``), as in SGLang:
+
+- ``abort``: every running and queued request is answered with finish reason
+  ``abort`` (with the tokens it had so far). Requests that arrive while paused wait.
+- ``retract``: running requests go back to the front of the queue with their
+  tokens so far; on continue they are prefilled again (under the then-current
+  weights) and keep generating. Their KV cache is dropped.
+- ``in_place``: the batch stops after the current step and keeps its KV cache;
+  continue resumes it where it stopped.
+
+The engine keeps no cache across requests (the KV cache lives only as long as the
+running batch), so ``/flush_cache`` has nothing to drop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import traceback
+from typing import Any
+
+from miles.engines.embedded.sampler import DecodeBatch, GenRequest, Runner, merge_batches, select_rows
+
+log = logging.getLogger("miles.engines.embedded")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, *, max_batch_size: int, mergeable: bool) -> None:
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.mergeable = mergeable
+        self.step_lock = threading.Lock()  # held for every step and every batch or weight change
+        self._lock = threading.Lock()  # guards the queue and the flags below (taken after step_lock)
+        self._wake = threading.Condition(self._lock)
+        self._waiting: collections.deque[GenRequest] = collections.deque()
+        self._batch: DecodeBatch | None = None
+        self._num_running = 0
+        self._rids: set[str] = set()
+        self.paused = False
+        self.pause_mode: str | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="miles-scheduler", daemon=True)
+        self.stats: dict[str, Any] = {
+            "prefill_batches": 0,
+            "prefill_requests": 0,
+            "max_prefill_batch": 0,
+            "decode_steps": 0,
+            "decode_rows": 0,
+            "max_decode_batch": 0,
+            "requests_finished": 0,
+            "requests_aborted": 0,
+            "tokens_generated": 0,
+            "errors": 0,
+        }
+
+    # ------------------------------------------------------------- public API
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        self._thread.join(timeout=30)
+        with self.step_lock:
+            self._abort_everything("engine shutting down")
+
+    def has_rid(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._rids
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request; ``req.on_done`` is called once it finishes (from another thread)."""
+        with self._lock:
+            if req.rid in self._rids:
+                raise ValueError(f"a request with rid {req.rid!r} is already in flight")
+            if self._stop:
+                raise RuntimeError("the engine is shutting down")
+            self._rids.add(req.rid)
+            if req.max_new_tokens == 0:
+                req.finish = {"type": "length", "length": 0}
+            else:
+                self._waiting.append(req)
+                self._wake.notify_all()
+                return
+        self._done(req)
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
+        """Abort one request (or all); blocks until the scheduler has answered them. Returns how many."""
+        with self.step_lock:
+            with self._lock:
+                queued = [r for r in self._waiting if abort_all or r.rid == rid]
+                for r in queued:
+                    self._waiting.remove(r)
+                running = [r for r in (self._batch.rows if self._batch else []) if abort_all or r.rid == rid]
+                for r in running:
+                    r.abort_requested = True
+            for r in queued:
+                self._finish_abort(r)
+            self._retire()
+        return len(queued) + len(running)
+
+    def request_abort_nowait(self, rid: str) -> None:
+        """Flag a request for abort without waiting (used when its HTTP caller went away)."""
+        with self._lock:
+            for r in self._waiting:
+                if r.rid == rid:
+                    r.abort_requested = True
+            for r in self._batch.rows if self._batch else []:
+                if r.rid == rid:
+                    r.abort_requested = True
+            self._wake.notify_all()
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        with self._lock:
+            self.paused, self.pause_mode = True, mode
+        with self.step_lock:  # waits for the step in progress
+            if mode == "abort":
+                self._abort_everything("generation paused (mode abort)")
+            elif mode == "retract" and self._batch is not None:
+                rows, self._batch = self._batch.rows, None
+                with self._lock:
+                    self._num_running = 0
+                    self._waiting.extendleft(reversed(rows))
+
+    def resume(self) -> None:
+        with self._lock:
+            self.paused, self.pause_mode = False, None
+            self._wake.notify_all()
+
+    def counts(self) -> tuple[int, int]:
+        with self._lock:
+            return self._num_running, len(self._waiting)
+
+    # ------------------------------------------------------------- the loop
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or self._num_running > 0 or self._aborts_pending()
+
+    def _aborts_pending(self) -> bool:
+        return any(r.abort_requested for r in self._waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and (self.paused or not self._has_work()):
+                    if self.paused and self._aborts_pending():
+                        break
+                    self._wake.wait()
+                if self._stop:
+                    return
+            with self.step_lock:
+                try:
+                    self._step()
+                except Exception as exc:  # a broken forward must not kill the engine
+                    log.error("scheduler step failed:\n%s", traceback.format_exc())
+                    self.stats["errors"] += 1
+                    self._fail_everything(f"{type(exc).__name__}: {exc}")
+
+    def _step(self) -> None:
+        # Queued requests whose caller went away are answered without running them.
+        with self._lock:
+            dropped = [r for r in self._waiting if r.abort_requested]
+            for r in dropped:
+                self._waiting.remove(r)
+        for r in dropped:
+            self._finish_abort(r)
+        if self.paused:
+            self._retire()
+            return
+        if self._batch is not None:
+            self.runner.decode(self._batch)
+            n = len(self._batch)
+            self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] += n
+            self.stats["max_decode_batch"] = max(self.stats["max_decode_batch"], n)
+            self._retire()
+        new = self._admit()
+        if new:
+            fresh = self.runner.prefill(new)
+            self.stats["prefill_batches"] += 1
+            self.stats["prefill_requests"] += len(new)
+            self.stats["max_prefill_batch"] = max(self.stats["max_prefill_batch"], len(new))
+            self._batch = merge_batches(self._batch, fresh)
+            self._retire()
+
+    def _admit(self) -> list[GenRequest]:
+        running = len(self._batch) if self._batch is not None else 0
+        if running and not self.mergeable:
+            return []
+        with self._lock:
+            room = self.max_batch_size - running
+            new = []
+            while self._waiting and len(new) < room:
+                new.append(self._waiting.popleft())
+            self._num_running = running + len(new)
+            return new
+
+    def _retire(self) -> None:
+        """Answer finished or aborted rows and drop them from the batch."""
+        if self._batch is None:
+            return
+        keep: list[int] = []
+        done: list[GenRequest] = []
+        for i, row in enumerate(self._batch.rows):
+            if row.finish is None and row.abort_requested:
+                row.finish = {"type": "abort", "message": "aborted by request"}
+            if row.finish is None:
+                keep.append(i)
+            else:
+                done.append(row)
+        if not done:
+            return
+        self._batch = select_rows(self._batch, keep, self.mergeable)
+        with self._lock:
+            self._num_running = len(keep)
+        for row in done:
+            self._done(row)
+
+    def _finish_abort(self, row: GenRequest, message: str = "aborted by request") -> None:
+        row.finish = {"type": "abort", "message": message}
+        self._done(row)
+
+    def _abort_everything(self, message: str) -> None:
+        rows = self._batch.rows if self._batch is not None else []
+        self._batch = None
+        with self._lock:
+            queued = list(self._waiting)
+            self._waiting.clear()
+            self._num_running = 0
+        for row in [*rows, *queued]:
+            self._finish_abort(row, message)
+
+    def _fail_everything(self, error: str) -> None:
+        rows = self._batch.rows if self._batch is not None else []
+        self._batch = None
+        with self._lock:
+            self._num_running = 0
+        for row in rows:
+            row.error = error
+            row.finish = row.finish or {"type": "abort", "message": error}
+            self._done(row)
+
+    def _done(self, row: GenRequest) -> None:
+        with self._lock:
+            self._rids.discard(row.rid)
+            if row.finish and row.finish.get("type") == "abort":
+                self.stats["requests_aborted"] += 1
+            self.stats["requests_finished"] += 1
+            self.stats["tokens_generated"] += len(row.output_ids)
+        if row.on_done is not None:
+            row.on_done(row)

@@ -1,0 +1,544 @@
+"""HTTP surface of the embedded engine: the subset of SGLang's native API Miles uses.
+
+Routes, request bodies and answers follow SGLang's names (see
+``miles.engines.client`` for the list), so one client drives both. Bodies are
+validated strictly: a field this engine does not implement is a 400 naming it,
+not silently ignored. Errors look like SGLang's: generation errors are
+``{"object": "error", "message", "type", "code"}``; weight and control errors are
+``{"success": false, "message"}``; both with HTTP 400.
+
+Run: ``python -m miles.engines.embedded --model PATH [--host 127.0.0.1] [--port P]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from miles.engines.client import HANDOFF_LOAD_FORMAT
+
+log = logging.getLogger("miles.engines.embedded")
+
+
+# ------------------------------------------------------------------ bodies
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# SGLang sampling parameters this engine does not implement; they are accepted only at their defaults.
+_DEFAULT_ONLY: dict[str, Any] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "no_stop_trim": False,
+    "spaces_between_special_tokens": True,
+}
+
+
+class SamplingParamsBody(_Body):
+    """The sampling parameters this engine implements (SGLang names and defaults)."""
+
+    max_new_tokens: int = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 disables top-k")
+    stop_token_ids: list[int] | None = Field(None, description="generation stops after any of these")
+    sampling_seed: int | None = Field(None, description="per-request seed; makes sampling deterministic")
+    ignore_eos: bool = Field(False, description="do not stop on the model's EOS ids")
+    skip_special_tokens: bool = Field(True, description="only affects the rendered text")
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    n: int = 1
+    no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (disabled) or at least 1")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults_only(self) -> SamplingParamsBody:
+        for name, default in _DEFAULT_ONLY.items():
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported by the embedded engine (only {default!r})"
+                )
+        return self
+
+
+class GenerateBody(_Body):
+    input_ids: list[int] = Field(
+        ..., min_length=1, description="prompt token ids (this engine takes tokens only)"
+    )
+    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    logprob_start_len: int = Field(
+        -1, description="accepted for compatibility; prompt logprobs are not returned"
+    )
+    rid: str | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(
+        0, ge=0, description="first consumed position whose routing is returned (0: the whole sequence)"
+    )
+    stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported by the embedded engine")
+        return v
+
+    @model_validator(mode="after")
+    def _start_in_prompt(self) -> GenerateBody:
+        if self.routed_experts_start_len > len(self.input_ids):
+            raise ValueError(
+                f"routed_experts_start_len {self.routed_experts_start_len} is beyond the prompt "
+                f"({len(self.input_ids)} tokens)"
+            )
+        return self
+
+
+class PauseBody(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortBody(_Body):
+    rid: str | None = ""
+    abort_all: bool = False
+
+
+class WeightVersionBody(_Body):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class _UpdateBody(_Body):
+    weight_version: str | None = Field(
+        None, description="becomes the engine's version once the update succeeds"
+    )
+    flush_cache: bool = Field(True, description="accepted; the engine keeps no cache across requests")
+    abort_all_requests: bool = False
+
+
+class UpdateFromDiskBody(_UpdateBody):
+    model_path: str
+    load_format: str | None = None
+
+
+class InitGroupBody(_Body):
+    master_address: str
+    master_port: int = Field(..., ge=1, le=65535)
+    rank_offset: int = Field(..., ge=1, description="this engine's rank; the trainer's rank 0 sends")
+    world_size: int = Field(..., ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["gloo", "nccl"] = "nccl"
+
+
+class UpdateFromDistributedBody(_UpdateBody):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    load_format: str | None = None
+
+
+class DestroyGroupBody(_Body):
+    group_name: str = "weight_update_group"
+
+
+class UpdateFromTensorBody(_UpdateBody):
+    serialized_named_tensors: list[str] = Field(
+        ..., min_length=1, description="safetensors file names inside the hand-off directory"
+    )
+    load_format: str | None = None
+
+
+# ------------------------------------------------------------------- app
+
+
+def _gen_error(message: str, code: int = 400) -> JSONResponse:
+    return JSONResponse(
+        {"object": "error", "message": message, "type": "BadRequest", "code": code}, status_code=code
+    )
+
+
+def _ok(message: str, **extra: Any) -> dict[str, Any]:
+    return {"success": True, "message": message, **extra}
+
+
+def _fail(message: str, code: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=code)
+
+
+def create_app(engine: Any) -> FastAPI:
+    """The FastAPI app around a started :class:`~miles.engines.embedded.engine.EmbeddedEngine`."""
+    from miles.engines.embedded.weights import WeightUpdateError
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(
+        title="Miles embedded rollout engine",
+        lifespan=lifespan,
+        description="A Hugging Face transformers model behind the subset of SGLang's native HTTP API "
+        "that Miles uses.",
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            parts.append(f"{where}: {err.get('msg')}")
+        message = f"invalid request to {request.url.path}: " + "; ".join(parts)
+        if request.url.path == "/generate":
+            return _gen_error(message)
+        return _fail(message)
+
+    # -------------------------------------------------------- generation
+
+    @app.post("/generate", summary="Generate from input_ids (SGLang /generate, non-streaming)")
+    async def generate(body: GenerateBody) -> Any:
+        sp = body.sampling_params
+        if body.rid and engine.scheduler.has_rid(body.rid):
+            return _gen_error(f"a request with rid {body.rid!r} is already in flight")
+        try:
+            req = engine.make_request(
+                input_ids=body.input_ids,
+                rid=body.rid,
+                max_new_tokens=sp.max_new_tokens,
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                stop_token_ids=sp.stop_token_ids or [],
+                seed=sp.sampling_seed,
+                ignore_eos=sp.ignore_eos,
+                return_logprob=body.return_logprob,
+                return_routed_experts=body.return_routed_experts,
+                routed_experts_start_len=body.routed_experts_start_len,
+            )
+        except ValueError as exc:
+            return _gen_error(str(exc))
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def on_done(r: Any) -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+
+        req.on_done = on_done
+        try:
+            engine.scheduler.submit(req)
+        except (ValueError, RuntimeError) as exc:
+            return _gen_error(str(exc))
+        try:
+            await done
+        except asyncio.CancelledError:
+            engine.scheduler.request_abort_nowait(req.rid)
+            raise
+        if req.error is not None:
+            return _gen_error(f"generation failed: {req.error}", code=500)
+        return engine.render(
+            req,
+            return_text_in_logprobs=body.return_text_in_logprobs,
+            skip_special_tokens=sp.skip_special_tokens,
+        )
+
+    # ----------------------------------------------------------- status
+
+    @app.get("/health", summary="200 while the scheduler runs")
+    @app.get("/health_generate", summary="same as /health")
+    async def health() -> PlainTextResponse:
+        if engine.scheduler.is_alive():
+            return PlainTextResponse("ok")
+        return PlainTextResponse("scheduler stopped", status_code=503)
+
+    @app.get("/get_model_info")
+    @app.get("/model_info", include_in_schema=False)
+    async def model_info() -> dict[str, Any]:
+        return engine.model_info()
+
+    @app.get("/get_server_info")
+    @app.get("/server_info", include_in_schema=False)
+    async def server_info() -> dict[str, Any]:
+        return engine.server_info()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": engine.weight_version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: WeightVersionBody) -> Any:
+        if body.abort_all_requests:
+            await asyncio.to_thread(engine.scheduler.abort, abort_all=True)
+        engine.set_weight_version(body.new_version)
+        return _ok(f"Weight version updated to {body.new_version}", new_version=body.new_version)
+
+    # ---------------------------------------------------------- control
+
+    @app.api_route(
+        "/flush_cache", methods=["GET", "POST"], summary="No-op: the engine keeps no KV cache across requests"
+    )
+    async def flush_cache() -> PlainTextResponse:
+        return PlainTextResponse("Cache flushed (the embedded engine keeps no cache across requests).\n")
+
+    @app.post("/pause_generation", summary="Pause: mode abort | retract | in_place")
+    async def pause_generation(body: Annotated[PauseBody | None, Body()] = None) -> dict[str, Any]:
+        mode = body.mode if body is not None else "abort"
+        await asyncio.to_thread(engine.scheduler.pause, mode)
+        return {"message": f"Generation paused (mode {mode}).", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(body: Annotated[dict[str, Any] | None, Body()] = None) -> dict[str, Any]:
+        engine.scheduler.resume()
+        return {"message": "Generation continued.", "status": "ok"}
+
+    @app.post("/abort_request", summary="Abort one request by rid, or all")
+    async def abort_request(body: AbortBody) -> Any:
+        if not body.abort_all and not body.rid:
+            return _fail("abort_request needs a rid or abort_all: true")
+        n = await asyncio.to_thread(engine.scheduler.abort, body.rid, abort_all=body.abort_all)
+        return {"success": True, "aborted": n}
+
+    # ---------------------------------------------------------- weights
+
+    def _apply(tensors: dict[str, Any], version: str | None) -> None:
+        with engine.scheduler.step_lock:
+            engine.weights.apply(tensors)
+            if version is not None:
+                engine.set_weight_version(version)
+
+    async def _run_update(body: _UpdateBody, read: Any) -> Any:
+        if body.abort_all_requests:
+            await asyncio.to_thread(engine.scheduler.abort, abort_all=True)
+
+        def work() -> int:
+            with engine.weights.lock:
+                tensors = read()
+                _apply(tensors, body.weight_version)
+                return len(tensors)
+
+        try:
+            n = await asyncio.to_thread(work)
+        except WeightUpdateError as exc:
+            return _fail(f"weights not updated: {exc}")
+        except Exception as exc:
+            log.exception("weight update failed")
+            return _fail(f"weights not updated: {type(exc).__name__}: {exc}", code=500)
+        suffix = (
+            f" Weight version updated to {body.weight_version}." if body.weight_version is not None else ""
+        )
+        return _ok(f"Updated {n} tensors.{suffix}", num_paused_requests=0)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateFromDiskBody) -> Any:
+        if body.load_format not in (None, "auto", "safetensors"):
+            return _fail(f"load_format {body.load_format!r} is not supported; use 'auto' or 'safetensors'")
+        return await _run_update(body, lambda: engine.weights.read_disk(body.model_path))
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateFromTensorBody) -> Any:
+        if body.load_format != HANDOFF_LOAD_FORMAT:
+            return _fail(
+                f"load_format {body.load_format!r} is not accepted: the embedded engine never unpickles network "
+                f"payloads; send load_format {HANDOFF_LOAD_FORMAT!r} with safetensors file names in the hand-off "
+                "directory"
+            )
+        return await _run_update(body, lambda: engine.weights.read_handoff(body.serialized_named_tensors))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitGroupBody) -> Any:
+        from miles.engines.weight_group import create_weight_group
+        from miles.errors import EngineError
+
+        if body.group_name in engine.weights.groups:
+            return _fail(f"weight group {body.group_name!r} already exists; destroy it first")
+        if body.rank_offset >= body.world_size:
+            return _fail(f"rank_offset {body.rank_offset} is outside a world of size {body.world_size}")
+        if body.backend == "nccl" and engine.device.type != "cuda":
+            return _fail(f"backend 'nccl' needs a CUDA engine; this one runs on {engine.device}; use 'gloo'")
+        device = str(engine.device) if body.backend == "nccl" else "cpu"
+        try:
+            group = await asyncio.to_thread(
+                create_weight_group,
+                body.master_address,
+                body.master_port,
+                body.rank_offset,
+                body.world_size,
+                group_name=body.group_name,
+                backend=body.backend,
+                device=device,
+            )
+        except EngineError as exc:
+            return _fail(str(exc))
+        engine.weights.groups[body.group_name] = group
+        return _ok(
+            f"Joined weight group {body.group_name!r} as rank {body.rank_offset} of {body.world_size}."
+        )
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateFromDistributedBody) -> Any:
+        group = engine.weights.groups.get(body.group_name)
+        if group is None:
+            known = sorted(engine.weights.groups) or "none"
+            return _fail(
+                f"no weight group {body.group_name!r} (groups: {known}); call /init_weights_update_group"
+            )
+        return await _run_update(
+            body, lambda: engine.weights.receive(group, body.names, body.dtypes, body.shapes)
+        )
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyGroupBody) -> Any:
+        group = engine.weights.groups.pop(body.group_name, None)
+        if group is None:
+            return _fail(f"no weight group {body.group_name!r}")
+        await asyncio.to_thread(group.destroy)
+        return _ok(f"Destroyed weight group {body.group_name!r}.")
+
+    return app
+
+
+# ------------------------------------------------------------------ main
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m miles.engines.embedded",
+        description="Miles embedded rollout engine (SGLang-compatible HTTP API)",
+    )
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument(
+        "--handoff-dir", default=None, help="directory of safetensors hand-off files (colocated updates)"
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: $MILES_TORCH_THREADS, else torch's default)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed for requests without sampling_seed")
+    p.add_argument("--weight-version", default="0", help="initial weight version")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(
+                f"miles embedded engine: port {port} on {host} is already in use; "
+                "pick another port (or leave it unset to get a free one)"
+            ) from None
+        raise SystemExit(f"miles embedded engine: cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
+def _watch_parent(pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != pid:
+                log.warning("parent process %d is gone; shutting down", pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="miles-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(
+            f"miles embedded engine: {args.model!r} is not a Hugging Face model directory (no config.json)"
+        )
+    # Claim the port before the (slow) model load, so a clash fails at once with a clear message.
+    sock = _bind(args.host, args.port)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if args.parent_pid is not None:
+        _watch_parent(args.parent_pid)
+    import torch
+    import uvicorn
+
+    threads = args.torch_threads or int(os.environ.get("MILES_TORCH_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    from miles.engines.embedded.engine import EmbeddedEngine, EngineOptions
+
+    options = EngineOptions(
+        model_path=args.model,
+        host=args.host,
+        port=sock.getsockname()[1],
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        handoff_dir=args.handoff_dir,
+        seed=args.seed,
+        weight_version=args.weight_version,
+    )
+    t0 = time.monotonic()
+    engine = EmbeddedEngine(options)
+    engine.start()
+    log.info(
+        "model %s loaded on %s (%s) in %.1fs; serving on http://%s:%d",
+        args.model,
+        engine.device,
+        engine.dtype,
+        time.monotonic() - t0,
+        args.host,
+        options.port,
+    )
+    config = uvicorn.Config(
+        create_app(engine), log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,407 @@
+"""Start (or attach to) rollout engines; implementations of :class:`miles.interfaces.EngineLauncher`.
+
+- :class:`EmbeddedLauncher` runs ``python -m miles.engines.embedded`` processes.
+- :class:`SGLangLauncher` attaches to running SGLang servers, or runs
+  ``python -m sglang.launch_server`` when the ``sglang`` package is installed.
+
+Both check requested ports before spawning anything, write one log file per
+engine into ``log_dir``, wait for ``/health``, and on failure raise
+:class:`miles.errors.EngineError` with the tail of the engine's log. An
+``EngineSpec`` whose options carry ``url`` is attached to instead of launched.
+Processes are stopped by :meth:`shutdown`, which also runs at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from miles.errors import ConfigError, EngineError
+from miles.interfaces import EngineSpec
+
+EMBEDDED_OPTIONS = {
+    "device",
+    "dtype",
+    "max_batch_size",
+    "handoff_dir",
+    "torch_threads",
+    "seed",
+    "startup_timeout_s",
+    "weight_version",
+    "log_level",
+    "url",
+    "env",
+}
+SGLANG_OPTIONS = {
+    "dtype",
+    "device",
+    "max_batch_size",
+    "startup_timeout_s",
+    "url",
+    "env",
+    "extra_args",
+    "tp_size",
+    "mem_fraction_static",
+    "enable_return_routed_experts",
+    "handoff_dir",
+    "torch_threads",
+}
+
+
+# ------------------------------------------------------------------ ports
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True if nothing listens on ``host:port`` and it can be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", exclude: set[int] | None = None) -> int:
+    """A port the OS says is free right now (another process could still take it before we do)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(100):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if not exclude or port not in exclude:
+            return port
+    raise EngineError(f"could not find a free port on {host}")
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def check_health(url: str, timeout_s: float = 10.0) -> None:
+    """Raise EngineError unless ``url/health`` answers 200 within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with httpx.Client(timeout=5.0, trust_env=False) as http:
+        while True:
+            try:
+                r = http.get(url.rstrip("/") + "/health")
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            if time.monotonic() >= deadline:
+                raise EngineError(f"engine {url} is not healthy after {timeout_s:g} s ({last})")
+            time.sleep(0.5)
+
+
+# -------------------------------------------------------------- processes
+
+
+@dataclass
+class _Proc:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    log_file: IO[bytes]
+
+
+class _ProcessLauncher:
+    """Shared bookkeeping: spawn, wait healthy, stop."""
+
+    name = "engine"
+
+    def __init__(self, *, startup_timeout_s: float = 180.0, python: str | None = None) -> None:
+        self.startup_timeout_s = startup_timeout_s
+        self.python = python or sys.executable
+        self._procs: list[_Proc] = []
+        self._atexit = False
+
+    def _allowed_options(self) -> set[str]:
+        raise NotImplementedError
+
+    def _check_options(self, specs: Sequence[EngineSpec]) -> None:
+        allowed = self._allowed_options()
+        for i, spec in enumerate(specs):
+            unknown = sorted(set(spec.options) - allowed)
+            if unknown:
+                raise ConfigError(
+                    f"{self.name} engine {i}: unknown option(s) {unknown}; allowed: {sorted(allowed)}"
+                )
+
+    def _ports(self, specs: Sequence[EngineSpec]) -> list[int]:
+        """Resolve every engine's port before anything starts: a taken port fails the launch at once."""
+        ports: list[int | None] = [None] * len(specs)
+        taken: set[int] = set()
+        for i, spec in enumerate(specs):
+            if spec.port is not None:
+                if spec.port in taken or not port_is_free(spec.host, spec.port):
+                    raise EngineError(
+                        f"{self.name} engine {i}: port {spec.port} on {spec.host} is already in use; choose "
+                        "another engine.port or leave it unset to pick free ports"
+                    )
+                ports[i] = spec.port
+                taken.add(spec.port)
+        for i, spec in enumerate(specs):
+            if ports[i] is None:
+                ports[i] = free_port(spec.host, exclude=taken)
+                taken.add(ports[i])
+        return [int(p) for p in ports if p is not None]
+
+    def _spawn(self, argv: list[str], url: str, log_path: Path, env: dict[str, str] | None) -> _Proc:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        try:
+            process = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env
+            )
+        except OSError as exc:
+            log_file.close()
+            raise EngineError(f"{self.name} engine: cannot start {argv[0]!r}: {exc}") from exc
+        proc = _Proc(url=url, process=process, log_path=log_path, log_file=log_file)
+        self._procs.append(proc)
+        if not self._atexit:
+            atexit.register(self.shutdown)
+            self._atexit = True
+        return proc
+
+    def _wait_healthy(self, procs: list[_Proc], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(procs)
+        with httpx.Client(timeout=2.0, trust_env=False) as http:
+            while pending:
+                for proc in list(pending):
+                    code = proc.process.poll()
+                    if code is not None:
+                        raise EngineError(
+                            f"{self.name} engine at {proc.url} exited with code {code} while starting; "
+                            f"log {proc.log_path} ends with:\n{_tail(proc.log_path)}"
+                        )
+                    try:
+                        if http.get(proc.url + "/health").status_code == 200:
+                            pending.remove(proc)
+                    except httpx.HTTPError:
+                        pass
+                if not pending:
+                    return
+                if time.monotonic() >= deadline:
+                    proc = pending[0]
+                    raise EngineError(
+                        f"{self.name} engine at {proc.url} did not become healthy within {timeout_s:g} s; "
+                        f"log {proc.log_path} ends with:\n{_tail(proc.log_path)}"
+                    )
+                time.sleep(0.25)
+
+    def _launch_all(
+        self, jobs: list[tuple[list[str], str, Path, dict[str, str] | None]], timeout_s: float
+    ) -> None:
+        started = [self._spawn(argv, url, log, env) for argv, url, log, env in jobs]
+        try:
+            self._wait_healthy(started, timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.process.pid for p in self._procs]
+
+    def shutdown(self) -> None:
+        """Stop every engine this launcher started (SIGTERM, then SIGKILL after 10 s)."""
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            if proc.process.poll() is None:
+                proc.process.terminate()
+        deadline = time.monotonic() + 10.0
+        for proc in procs:
+            try:
+                proc.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.process.kill()
+                proc.process.wait()
+            proc.log_file.close()
+
+
+def _attach(specs: Sequence[EngineSpec], timeout_s: float) -> list[str]:
+    urls = []
+    for spec in specs:
+        url = str(spec.options["url"]).rstrip("/")
+        if "://" not in url:
+            url = "http://" + url
+        check_health(url, timeout_s)
+        urls.append(url)
+    return urls
+
+
+# ------------------------------------------------------------- embedded
+
+
+class EmbeddedLauncher(_ProcessLauncher):
+    """Runs one ``python -m miles.engines.embedded`` process per spec.
+
+    Spec options: ``device``, ``dtype`` (None: the model's), ``max_batch_size``,
+    ``handoff_dir``, ``torch_threads``, ``seed``, ``weight_version``,
+    ``startup_timeout_s``, ``log_level``, ``env`` (extra environment), or ``url``
+    to attach to an engine that is already running.
+    """
+
+    name = "embedded"
+
+    def _allowed_options(self) -> set[str]:
+        return EMBEDDED_OPTIONS
+
+    def command(self, spec: EngineSpec, port: int) -> list[str]:
+        o = spec.options
+        argv = [
+            self.python,
+            "-m",
+            "miles.engines.embedded",
+            "--model",
+            str(spec.model_path),
+            "--host",
+            spec.host,
+            "--port",
+            str(port),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        flags = {
+            "device": "--device",
+            "dtype": "--dtype",
+            "max_batch_size": "--max-batch-size",
+            "handoff_dir": "--handoff-dir",
+            "torch_threads": "--torch-threads",
+            "seed": "--seed",
+            "weight_version": "--weight-version",
+            "log_level": "--log-level",
+        }
+        for key, flag in flags.items():
+            if o.get(key) is not None:
+                argv += [flag, str(o[key])]
+        return argv
+
+    def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
+        self._check_options(specs)
+        if not specs:
+            return []
+        timeout = float(specs[0].options.get("startup_timeout_s") or self.startup_timeout_s)
+        if all("url" in s.options for s in specs):
+            return _attach(specs, timeout)
+        if any("url" in s.options for s in specs):
+            raise ConfigError("embedded engines: give every engine a url (attach) or none (launch)")
+        for i, spec in enumerate(specs):
+            if not Path(spec.model_path).is_dir():
+                raise EngineError(f"embedded engine {i}: model path {spec.model_path!r} is not a directory")
+        ports = self._ports(specs)
+        jobs = []
+        for i, (spec, port) in enumerate(zip(specs, ports, strict=True)):
+            handoff = spec.options.get("handoff_dir")
+            if handoff is not None:
+                Path(handoff).mkdir(parents=True, exist_ok=True)
+            jobs.append(
+                (
+                    self.command(spec, port),
+                    _url(spec.host, port),
+                    Path(log_dir) / f"engine-{i}.log",
+                    spec.options.get("env"),
+                )
+            )
+        self._launch_all(jobs, timeout)
+        return [url for _, url, _, _ in jobs]
+
+
+# --------------------------------------------------------------- sglang
+
+
+def sglang_command(python: str, spec: EngineSpec, port: int) -> list[str]:
+    """The ``sglang.launch_server`` command line for one spec (TP size, memory fraction, dtype, R3)."""
+    o = spec.options
+    argv = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(spec.model_path),
+        "--host",
+        spec.host,
+        "--port",
+        str(port),
+    ]
+    if o.get("dtype"):
+        argv += ["--dtype", str(o["dtype"])]
+    if o.get("tp_size"):
+        argv += ["--tp-size", str(o["tp_size"])]
+    if o.get("mem_fraction_static"):
+        argv += ["--mem-fraction-static", str(o["mem_fraction_static"])]
+    if o.get("enable_return_routed_experts"):
+        argv += ["--enable-return-routed-experts"]
+    argv += [str(a) for a in o.get("extra_args") or []]
+    return argv
+
+
+class SGLangLauncher(_ProcessLauncher):
+    """Attaches to SGLang servers (spec option ``url``) or launches them if ``sglang`` is installed.
+
+    Options used when launching: ``dtype``, ``tp_size``, ``mem_fraction_static``,
+    ``enable_return_routed_experts``, ``extra_args`` (more ``launch_server`` flags),
+    ``env`` and ``startup_timeout_s``. ``device``, ``max_batch_size``,
+    ``handoff_dir`` and ``torch_threads`` belong to the embedded engine and are ignored.
+    """
+
+    name = "sglang"
+
+    def __init__(self, *, startup_timeout_s: float = 900.0, python: str | None = None) -> None:
+        super().__init__(startup_timeout_s=startup_timeout_s, python=python)
+
+    def _allowed_options(self) -> set[str]:
+        return SGLANG_OPTIONS
+
+    def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
+        self._check_options(specs)
+        if not specs:
+            return []
+        timeout = float(specs[0].options.get("startup_timeout_s") or self.startup_timeout_s)
+        if all("url" in s.options for s in specs):
+            return _attach(specs, min(timeout, 60.0))
+        if any("url" in s.options for s in specs):
+            raise ConfigError("sglang engines: give every engine a url (attach) or none (launch)")
+        if importlib.util.find_spec("sglang") is None:
+            raise EngineError(
+                "engine.launcher is 'sglang' but the sglang package is not installed in this environment; "
+                "install it with `pip install 'miles-core[sglang]'` (needs CUDA GPUs), or start SGLang "
+                "servers yourself and list them in engine.urls"
+            )
+        ports = self._ports(specs)
+        jobs = [
+            (
+                sglang_command(self.python, spec, port),
+                _url(spec.host, port),
+                Path(log_dir) / f"sglang-{i}.log",
+                spec.options.get("env"),
+            )
+            for i, (spec, port) in enumerate(zip(specs, ports, strict=True))
+        ]
+        self._launch_all(jobs, timeout)
+        return [url for _, url, _, _ in jobs]

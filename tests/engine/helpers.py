@@ -1,0 +1,109 @@
+"""Tiny random-weight models and a running embedded engine, for the engine tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+VOCAB = 128
+
+
+def make_tiny_qwen3(
+    path: Path, *, seed: int = 0, moe: bool = False, eos_token_id: int | None = None, tokenizer: bool = False
+) -> Path:
+    """Save a tiny random Qwen3 (or Qwen3-MoE) model to ``path``; weights depend only on ``seed``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=not moe,
+    )
+    torch.manual_seed(seed)
+    if moe:
+        config = Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    if tokenizer:
+        _save_word_tokenizer(path)
+    return path
+
+
+def _save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer: token i is the word ``w{i}``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
+
+
+@contextlib.contextmanager
+def running_engine(model_dir: Path, log_dir: Path, **options: Any) -> Iterator[str]:
+    """Start one embedded engine through the real launcher; yields its URL."""
+    from miles.engines.launchers import EmbeddedLauncher
+    from miles.interfaces import EngineSpec
+
+    launcher = EmbeddedLauncher()
+    opts = {"device": "cpu", "dtype": "float32", "torch_threads": 1, "startup_timeout_s": 120, **options}
+    try:
+        [url] = launcher.launch([EngineSpec(model_path=str(model_dir), options=opts)], str(log_dir))
+        yield url
+    finally:
+        launcher.shutdown()
+
+
+def load_local(model_dir: Path) -> Any:
+    """The same checkpoint in this process, for recomputing what the engine reports."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+
+
+def full_forward_logprobs(
+    model: Any, prompt: list[int], output: list[int], temperature: float
+) -> list[float]:
+    """log_softmax(logits / T) at each output token, from one unpadded forward over prompt + output."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output], device=model.device)).logits[0].float()
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits / t, dim=-1)
+    return [float(logp[len(prompt) - 1 + j, tok]) for j, tok in enumerate(output)]
+
+
+def greedy_local(model: Any, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
