@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 from click.testing import CliRunner
+
 from miles.cli import LAZY_COMMANDS, cli
 
 RECIPES = Path(__file__).parent / "data" / "recipes"

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from pydantic import BaseModel
+
 from miles.config import (
     ConfigSection,
     MilesConfig,
@@ -22,7 +24,6 @@ from miles.config.overrides import apply_overrides, parse_override
 from miles.config.yaml_io import parse_value
 from miles.errors import ComponentError, ConfigError
 from miles.plugins import build_plugin_manager, collect_config_sections
-from pydantic import BaseModel
 
 if TYPE_CHECKING:
     from plugin_fixtures import FakeSite

@@ -8,6 +8,8 @@ import sys
 from typing import TYPE_CHECKING
 
 import pytest
+from stevedore import DriverManager
+
 from miles.errors import ComponentError
 from miles.interfaces import Loss
 from miles.plugins import (
@@ -19,7 +21,6 @@ from miles.plugins import (
     reset_plugin_state,
     validate_component_ref,
 )
-from stevedore import DriverManager
 
 if TYPE_CHECKING:
     from plugin_fixtures import FakeSite

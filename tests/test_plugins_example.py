@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import miles_example_plugin
 import pytest
 import torch
+
+import miles_example_plugin
 from miles.config import load_recipe
 from miles.interfaces import LossInputs
 from miles.plugins import build_plugin_manager, load_component, make_component

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miles.builtins.algorithms.grpo import GRPOAdvantage
 from miles.builtins.algorithms.ppo_clip import PPOClipLoss
 from miles.builtins.algorithms.tis import TruncatedIS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miles.builtins.algorithms.grpo import GRPOAdvantage
 from miles.errors import ConfigError
 from miles.interfaces import AdvantageEstimator

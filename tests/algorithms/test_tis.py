@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from miles.builtins.algorithms.tis import TruncatedIS
 from miles.errors import ConfigError
 from miles.interfaces import Correction

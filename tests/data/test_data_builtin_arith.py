@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from miles.builtins.data.files import FileDataSource, builtin_datasets
 from miles.errors import DataError
 

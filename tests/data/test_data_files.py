@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from miles.builtins.data.files import FileDataSource
 from miles.config.schema import DataSection
 from miles.errors import ConfigError, DataError

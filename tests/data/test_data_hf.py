@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from miles.builtins.data.hf import HFDataSource
 from miles.errors import ConfigError, DataError
 

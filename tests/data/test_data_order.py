@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from miles.builtins.data.files import FileDataSource
 from miles.errors import DataError
 

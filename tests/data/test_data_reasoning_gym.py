@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miles.builtins.data.reasoning_gym import METADATA_KEY, ReasoningGymDataSource
 from miles.config.schema import DataSection
 from miles.errors import ConfigError

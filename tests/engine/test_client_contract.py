@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
+from engine.sglang_fake import FakeSGLang
 from miles.engines.client import (
     SGLangClient,
     SyncEngineClient,
@@ -20,8 +22,6 @@ from miles.engines.client import (
 from miles.errors import EngineError
 from miles.interfaces import EngineClient
 from miles.types import SamplingParams
-
-from engine.sglang_fake import FakeSGLang
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from engine.helpers import full_forward_logprobs, greedy_local, load_local, make_tiny_qwen3, running_engine
 from miles.engines.client import SGLangClient, SyncEngineClient
 from miles.errors import EngineError
 from miles.types import SamplingParams
-
-from engine.helpers import full_forward_logprobs, greedy_local, load_local, make_tiny_qwen3, running_engine
 
 # One engine process per module (~10 s to start on CPU).
 pytestmark = pytest.mark.slow

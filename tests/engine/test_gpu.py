@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3, running_engine
 from miles.engines.client import SyncEngineClient
 from miles.engines.launchers import free_port
 from miles.engines.weight_group import create_weight_group
 from miles.types import SamplingParams
-
-from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3, running_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+from engine.sglang_fake import FakeSGLang
 from miles.engines.launchers import EmbeddedLauncher, SGLangLauncher, free_port, port_is_free, sglang_command
 from miles.errors import ConfigError, EngineError
 from miles.interfaces import EngineLauncher, EngineSpec
-
-from engine.sglang_fake import FakeSGLang
 
 
 def test_launchers_satisfy_the_protocol() -> None:

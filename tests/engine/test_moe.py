@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from miles.engines.client import SGLangClient
-from miles.types import SamplingParams
 
 from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3, running_engine
+from miles.engines.client import SGLangClient
+from miles.types import SamplingParams
 
 # One engine process per module (~10 s to start on CPU).
 pytestmark = pytest.mark.slow

@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
+from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3, running_engine
 from miles.engines.client import SyncEngineClient
 from miles.engines.launchers import free_port
 from miles.engines.weight_group import create_weight_group
 from miles.errors import EngineError
 from miles.types import SamplingParams
-
-from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3, running_engine
 
 # One engine process per module (~10 s to start on CPU).
 pytestmark = pytest.mark.slow

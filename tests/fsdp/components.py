@@ -6,6 +6,7 @@ import os
 import sys
 
 import torch
+
 from miles import hookimpl
 from miles.interfaces import CorrectionOutput, LossInputs, LossOutput
 

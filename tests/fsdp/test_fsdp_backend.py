@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-from miles_fsdp.backend import RankFailedError
 
 from fsdp.helpers import dumped_logprobs, hf_token_logprobs, make_batch, make_spec, weights
+from miles_fsdp.backend import RankFailedError
 
 
 def test_logprobs_equal_plain_hf_forward_with_temperature(tiny_model, backend_factory, tmp_path):

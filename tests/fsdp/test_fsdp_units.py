@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from fsdp.helpers import make_batch
 from miles.errors import ComponentError
 from miles_fsdp.batching import check_batch, collate, plan, split_batch
 from miles_fsdp.logprobs import token_logprobs
-
-from fsdp.helpers import make_batch
 
 
 def test_plan_equal_micro_batch_counts_and_every_sample_once():

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from miles.cli.models import models
 from miles.errors import ModelError
 

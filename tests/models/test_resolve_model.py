@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from miles.errors import ModelError
 from miles.models.cache import build_atomically, cache_root
 from miles.models.registry import BUILTIN_MODELS, builtin_path, resolve_model

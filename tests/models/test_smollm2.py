@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
 from miles.errors import ModelError
 from miles.models import smollm2
 from miles.models.smollm2 import INSTALL_HINT, build_smollm2

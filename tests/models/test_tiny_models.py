@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from miles.models.registry import count_parameters
 from miles.models.tiny import build_tiny_qwen3, build_tiny_qwen3_moe
 

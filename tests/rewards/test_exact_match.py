@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miles.builtins.rewards.exact_match import exact_match
 from miles.errors import DataError
 from miles.types import Prompt, Sample

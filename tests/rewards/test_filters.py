@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miles.builtins.filters import nonzero_std
 from miles.types import Group, Prompt, Sample
 

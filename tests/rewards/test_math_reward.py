@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from miles.builtins.rewards.math import answers_match, extract_answer, math_reward
 from miles.errors import DataError
 from miles.types import Prompt, Sample

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from miles.builtins.data.reasoning_gym import ReasoningGymDataSource
 from miles.builtins.rewards.reasoning_gym import ReasoningGymReward
 from miles.errors import DataError

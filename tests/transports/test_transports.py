@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+
 from miles.errors import EngineError
 from miles_transports.broadcast import BroadcastTransport
 from miles_transports.bucket import MiB, iter_buckets
@@ -201,8 +202,9 @@ def test_broadcast_join_refused_by_engines_fails_fast(engines):
 def test_fsdp_update_weights_reaches_engines(engines, engine_model, handoff_dir, tmp_path, transport):
     """Two FSDP ranks (tied embeddings) -> transport -> two engines: engines serve exactly the trainer's weights."""
     from fsdp.helpers import make_batch, make_spec
-    from miles_fsdp.backend import FSDPBackend
     from transformers import AutoModelForCausalLM
+
+    from miles_fsdp.backend import FSDPBackend
 
     options = {"bucket_mb": SMALL_BUCKET_MB}
     if transport == "colocated":
@@ -235,6 +237,7 @@ def test_fsdp_update_weights_reaches_engines(engines, engine_model, handoff_dir,
 def test_a_refused_update_fails_the_call_but_leaves_the_trainer_usable(engines, tmp_path):
     """Every rank drains the stream even when the engines refuse it, so no rank is left in a collective."""
     from fsdp.helpers import build_tiny_qwen3, make_batch, make_spec
+
     from miles_fsdp.backend import FSDPBackend, RankFailedError
 
     wider = str(build_tiny_qwen3(tmp_path / "wider", intermediate_size=48))  # the engines' MLP is 64 wide

@@ -13,11 +13,11 @@ def test_nccl_broadcast_from_fsdp_to_an_engine_on_another_gpu(engine_model, tmp_
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (trainer on cuda:0, engine on cuda:1)")
     from fsdp.helpers import make_batch, make_spec
+    from transformers import AutoModelForCausalLM
+
     from miles.engines.launchers import EmbeddedLauncher
     from miles.interfaces import EngineSpec
     from miles_fsdp.backend import FSDPBackend
-    from transformers import AutoModelForCausalLM
-
     from transports.test_transports import assert_engines_serve
 
     launcher = EmbeddedLauncher(startup_timeout_s=300)

@@ -55,8 +55,14 @@ class EngineClient(Protocol):
 
     url: str
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, *, rid: str | None = None,
-                       return_routed_experts: bool = False) -> GenerateOutput: ...
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput: ...
 
     async def health(self) -> bool: ...
 
@@ -168,8 +174,9 @@ class CorrectionOutput:
 class Correction(Protocol):
     """Corrects train/rollout mismatch from the ratio r = exp(old_logprobs - rollout_logprobs)."""
 
-    def __call__(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                 loss_mask: torch.Tensor) -> CorrectionOutput: ...
+    def __call__(
+        self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
+    ) -> CorrectionOutput: ...
 
 
 # ------------------------------------------------------------- backend, transport

@@ -50,6 +50,9 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     from miles.models.registry import resolve_model
 
     t_start = time.perf_counter()
+    # The rich console owns the terminal; library progress bars (here and in the engine and
+    # rank processes, which inherit the environment) would tear it.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     run = RunDir(config.run_dir)
     run.prepare(resume=resume, overwrite=overwrite)
     with open(run.sub("config.yaml"), "w", encoding="utf-8") as f:
@@ -73,12 +76,19 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         trackers = _start_trackers(config, run, state.step, pm, stack)
         console = trackers.get("console")
         engine_urls, transport_options = stack.enter_context(
-            rollout_engines(config, model_path, run.sub("engines")))
+            rollout_engines(config, model_path, run.sub("engines"))
+        )
         backend = stack.enter_context(trainer(config, model_path, engine_urls, transport_options, pm))
         engines = _engine_clients(engine_urls)
         ctx = _rollout_context(config, model_path, engines, components, console)
-        rollout = RolloutStage(components, ctx, prompts_per_step=config.rollout.prompts_per_step,
-                               max_rounds=config.rollout.max_rounds, hooks=hooks, loop=loop)
+        rollout = RolloutStage(
+            components,
+            ctx,
+            prompts_per_step=config.rollout.prompts_per_step,
+            max_rounds=config.rollout.max_rounds,
+            hooks=hooks,
+            loop=loop,
+        )
         if checkpoint:
             backend.load_checkpoint(os.path.join(checkpoint, "trainer"))
             if state.weight_version > 0:
@@ -99,8 +109,9 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                 else:
                     metrics["train/skipped"] = 1.0
                 # save when due
-                state = LoopState(step=step + 1, weight_version=step + 1,
-                                  data_source=components.data_source.state_dict())
+                state = LoopState(
+                    step=step + 1, weight_version=step + 1, data_source=components.data_source.state_dict()
+                )
                 if _save_due(config, step):
                     checkpoint = _save(run, backend, state, config.run.keep_checkpoints)
                     hooks.miles_on_checkpoint_saved(step=step, directory=checkpoint)
@@ -121,8 +132,14 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
             raise
         finally:
             hooks.miles_on_run_end(run_dir=run.path, status=status)
-    return RunResult(run_dir=run.path, steps_done=state.step, metrics_path=run.sub("metrics.jsonl"),
-                     final_dir=final_dir, checkpoint=checkpoint, seconds=time.perf_counter() - t_start)
+    return RunResult(
+        run_dir=run.path,
+        steps_done=state.step,
+        metrics_path=run.sub("metrics.jsonl"),
+        final_dir=final_dir,
+        checkpoint=checkpoint,
+        seconds=time.perf_counter() - t_start,
+    )
 
 
 # --------------------------------------------------------------------- helpers
@@ -146,16 +163,25 @@ def _engine_clients(urls: list[str]) -> list:
     return [SGLangClient(url) for url in urls]
 
 
-def _rollout_context(config: MilesConfig, model_path: str, engines: list, components, console) -> RolloutContext:
+def _rollout_context(
+    config: MilesConfig, model_path: str, engines: list, components, console
+) -> RolloutContext:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     r = config.rollout
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    return RolloutContext(engines=engines, tokenizer=tokenizer, sampling=sampling,
-                          n_samples_per_prompt=r.n_samples_per_prompt, reward=components.reward,
-                          options=dict(r.options),
-                          on_sample_done=console.sample_done if console is not None else None)
+    sampling = SamplingParams(
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
+    )
+    return RolloutContext(
+        engines=engines,
+        tokenizer=tokenizer,
+        sampling=sampling,
+        n_samples_per_prompt=r.n_samples_per_prompt,
+        reward=components.reward,
+        options=dict(r.options),
+        on_sample_done=console.sample_done if console is not None else None,
+    )
 
 
 def _rollout_bar(console, step: int):
@@ -164,7 +190,9 @@ def _rollout_bar(console, step: int):
     return lambda total: console.start_rollout(step, total)
 
 
-def _start_trackers(config: MilesConfig, run: RunDir, first_step: int, pm, stack: contextlib.ExitStack) -> dict:
+def _start_trackers(
+    config: MilesConfig, run: RunDir, first_step: int, pm, stack: contextlib.ExitStack
+) -> dict:
     trackers: dict = {}
     t = config.tracking
     if t.jsonl:

@@ -53,8 +53,10 @@ class RunDir:
             raise RunDirError(f"run directory {self.path} exists and is not a directory")
         if resume:
             if self.latest_checkpoint() is None:
-                raise RunDirError(f"--resume: no complete checkpoint under {self.checkpoints}; "
-                                  "a run saves one every run.save_every steps")
+                raise RunDirError(
+                    f"--resume: no complete checkpoint under {self.checkpoints}; "
+                    "a run saves one every run.save_every steps"
+                )
         elif existing:
             if not overwrite:
                 raise RunDirError(

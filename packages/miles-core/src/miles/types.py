@@ -69,9 +69,13 @@ class Sample:
         for name in ("rollout_logprobs", "loss_mask", "weight_versions"):
             got = len(getattr(self, name))
             if got != n:
-                raise ValueError(f"sample of prompt {self.prompt.index}: {name} has {got} entries, response has {n}")
+                raise ValueError(
+                    f"sample of prompt {self.prompt.index}: {name} has {got} entries, response has {n}"
+                )
         if self.routed_experts is not None and len(self.routed_experts) != n:
-            raise ValueError(f"sample of prompt {self.prompt.index}: routed_experts not aligned with response")
+            raise ValueError(
+                f"sample of prompt {self.prompt.index}: routed_experts not aligned with response"
+            )
 
 
 @dataclass

@@ -24,12 +24,12 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from pydantic import ValidationError
+
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import BackendSpec, TransportStats
 from miles.types import TrainBatch
-from pydantic import ValidationError
-
 from miles_fsdp.batching import check_batch, split_batch
 from miles_fsdp.config import FSDPOptions
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from miles import hookimpl
 from miles.config.sections import ConfigSection
-
 from miles_fsdp.config import FSDPOptions
 
 

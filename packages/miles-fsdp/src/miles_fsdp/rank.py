@@ -14,6 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
 from miles.config.schema import TrainSection
 from miles.errors import ComponentError, ModelError
 from miles.interfaces import (
@@ -25,10 +29,6 @@ from miles.interfaces import (
     LossOutput,
     TransportStats,
 )
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
 from miles_fsdp import checkpoint
 from miles_fsdp.batching import MicroBatchTensors, RankBatch, collate
 from miles_fsdp.config import FSDPOptions

@@ -10,6 +10,7 @@ exception is reported with its traceback; the driver decides what happens next.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import traceback
 from datetime import timedelta
@@ -29,6 +30,8 @@ def rank_main(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
     )
+    # The driver already reported broken plugins once; ranks stay quiet about them.
+    logging.getLogger("miles.plugins").setLevel(logging.ERROR)
     trainer = None
     try:
         import torch

@@ -21,7 +21,6 @@ from concurrent.futures import wait
 from typing import Any
 
 from miles.errors import ConfigError, EngineError
-
 from miles_transports.bucket import Bucket, BucketedTransport
 from miles_transports.fanout import EngineFanout
 

@@ -16,7 +16,6 @@ import uuid
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles.errors import ConfigError
-
 from miles_transports.bucket import Bucket, BucketedTransport
 from miles_transports.fanout import EngineFanout
 

@@ -43,5 +43,8 @@ class FifoBuffer:
         return len(self._groups)
 
     def metrics(self) -> dict[str, float]:
-        return {"buffer/size": float(len(self._groups)), "buffer/put_total": float(self._put_total),
-                "buffer/taken_total": float(self._taken_total)}
+        return {
+            "buffer/size": float(len(self._groups)),
+            "buffer/put_total": float(self._put_total),
+            "buffer/taken_total": float(self._taken_total),
+        }

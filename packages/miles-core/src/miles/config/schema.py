@@ -19,26 +19,36 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; the run directory is output_dir/name")
+    name: str = Field(
+        "default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name; the run directory is output_dir/name"
+    )
     output_dir: str = Field("runs", description="parent directory of run directories")
     seed: int = 0
     num_steps: int = Field(20, ge=1, description="training steps (one rollout each)")
-    save_every: int | None = Field(None, ge=1, description="save a resumable checkpoint every N steps (and at the end)")
+    save_every: int | None = Field(
+        None, ge=1, description="save a resumable checkpoint every N steps (and at the end)"
+    )
     keep_checkpoints: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
     export_hf: bool = Field(True, description="write a Hugging Face checkpoint of the final policy")
 
 
 class ModelSection(Section):
-    path: str = Field(..., description="a Hugging Face model directory, or builtin:NAME (see `miles models list`)")
+    path: str = Field(
+        ..., description="a Hugging Face model directory, or builtin:NAME (see `miles models list`)"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class DataSection(Section):
     source: str = Field("jsonl", description="data source name or import path")
-    path: str = Field(..., description="dataset file (.jsonl, .parquet), builtin:NAME, or a datasets id for source=hf")
+    path: str = Field(
+        ..., description="dataset file (.jsonl, .parquet), builtin:NAME, or a datasets id for source=hf"
+    )
     prompt_key: str = "prompt"
     label_key: str | None = "label"
-    metadata_keys: list[str] = Field(default_factory=list, description="extra fields copied into the prompt metadata")
+    metadata_keys: list[str] = Field(
+        default_factory=list, description="extra fields copied into the prompt metadata"
+    )
     shuffle: bool = True
     seed: int = 0
     apply_chat_template: bool = True
@@ -58,7 +68,9 @@ class RolloutSection(Section):
     top_k: int = -1
     reward: str = Field("math", description="reward name or import path")
     reward_options: dict[str, Any] = Field(default_factory=dict)
-    filters: list[str] = Field(default_factory=lambda: ["nonzero_std"], description="group filters (names or import paths)")
+    filters: list[str] = Field(
+        default_factory=lambda: ["nonzero_std"], description="group filters (names or import paths)"
+    )
     max_rounds: int = Field(
         1, ge=1, description="rollout rounds per step to refill groups the filters dropped (dynamic sampling)"
     )
@@ -71,7 +83,9 @@ class EngineSection(Section):
     num_engines: int = Field(1, ge=1)
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=1, le=65535, description="first engine port; None picks free ports")
-    urls: list[str] = Field(default_factory=list, description="attach to running engines instead of launching")
+    urls: list[str] = Field(
+        default_factory=list, description="attach to running engines instead of launching"
+    )
     device: str = Field("cpu", description="cpu, cuda, or cuda:N")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="default: model.dtype")
     max_batch_size: int = Field(64, ge=1, description="requests batched into one forward pass")
@@ -139,7 +153,9 @@ class MilesConfig(Section):
                 f"{self.engine.num_engines}; make them agree"
             )
         if self.transport == "colocated" and self.engine.urls:
-            raise ValueError("transport 'colocated' needs engines launched by this run on this machine, not engine.urls")
+            raise ValueError(
+                "transport 'colocated' needs engines launched by this run on this machine, not engine.urls"
+            )
         if self.transport == "colocated" and self.engine.launcher != "embedded":
             raise ValueError(
                 "transport 'colocated' is implemented for the embedded engine only; use transport: broadcast "

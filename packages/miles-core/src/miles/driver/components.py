@@ -24,7 +24,9 @@ def build_components(config: MilesConfig) -> Components:
     data_options: dict[str, Any] = config.data.model_dump(exclude={"source"})
     rollout_cls = load_component("rollout", config.rollout.fn)
     # A class takes the generate layer by name; a plain function is the whole rollout itself.
-    rollout_fn = rollout_cls(generate_fn=config.rollout.generate_fn) if isinstance(rollout_cls, type) else rollout_cls
+    rollout_fn = (
+        rollout_cls(generate_fn=config.rollout.generate_fn) if isinstance(rollout_cls, type) else rollout_cls
+    )
     return Components(
         data_source=make_component("data_source", config.data.source, data_options),
         rollout_fn=rollout_fn,

@@ -20,8 +20,16 @@ class RolloutStage:
     the data source (retried, never lost); a group a filter rejects is discarded.
     """
 
-    def __init__(self, components: Components, ctx: RolloutContext, *, prompts_per_step: int,
-                 max_rounds: int, hooks: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        components: Components,
+        ctx: RolloutContext,
+        *,
+        prompts_per_step: int,
+        max_rounds: int,
+        hooks: Any,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.c = components
         self.ctx = ctx
         self.prompts_per_step = prompts_per_step
@@ -29,7 +37,9 @@ class RolloutStage:
         self.hooks = hooks
         self.loop = loop
 
-    def run(self, step: int, on_round_start: Callable[[int], None] | None = None) -> tuple[list[Group], dict[str, float]]:
+    def run(
+        self, step: int, on_round_start: Callable[[int], None] | None = None
+    ) -> tuple[list[Group], dict[str, float]]:
         self.ctx.step = step
         t0 = time.perf_counter()
         generated: list[Group] = []
@@ -66,8 +76,9 @@ class RolloutStage:
         return self.hooks.miles_buffer_reject(group=group)
 
 
-def rollout_metrics(generated: list[Group], kept: list[Group], dropped: dict[str, int],
-                    seconds: float) -> dict[str, float]:
+def rollout_metrics(
+    generated: list[Group], kept: list[Group], dropped: dict[str, int], seconds: float
+) -> dict[str, float]:
     samples: list[Sample] = [s for g in generated for s in g.samples]
     rewards = [s.reward or 0.0 for s in samples]
     lengths = [len(s.response_ids) for s in samples]
@@ -75,8 +86,11 @@ def rollout_metrics(generated: list[Group], kept: list[Group], dropped: dict[str
     metrics = {
         "rollout/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "rollout/full_reward_frac": (sum(r >= 1.0 for r in rewards) / len(rewards)) if rewards else 0.0,
         "rollout/response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
-        "rollout/truncated_frac": (sum(s.status is Status.TRUNCATED for s in samples) / len(samples)) if samples else 0.0,
+        "rollout/truncated_frac": (sum(s.status is Status.TRUNCATED for s in samples) / len(samples))
+        if samples
+        else 0.0,
         "rollout/samples": float(len(samples)),
         "rollout/groups_kept": float(len(kept)),
         "rollout/groups_dropped": float(sum(dropped.values())),
@@ -86,5 +100,7 @@ def rollout_metrics(generated: list[Group], kept: list[Group], dropped: dict[str
     for reason, n in dropped.items():
         metrics[f"rollout/dropped/{reason}"] = float(n)
     if kept:
-        metrics["rollout/kept_reward_mean"] = statistics.fmean(s.reward or 0.0 for g in kept for s in g.samples)
+        metrics["rollout/kept_reward_mean"] = statistics.fmean(
+            s.reward or 0.0 for g in kept for s in g.samples
+        )
     return metrics

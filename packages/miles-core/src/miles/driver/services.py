@@ -21,14 +21,22 @@ from miles.types import TrainBatch
 
 
 @contextlib.contextmanager
-def rollout_engines(config: MilesConfig, model_path: str, log_dir: str) -> Iterator[tuple[list[str], dict[str, Any]]]:
+def rollout_engines(
+    config: MilesConfig, model_path: str, log_dir: str
+) -> Iterator[tuple[list[str], dict[str, Any]]]:
     """Launch (or attach to) the engines; yields their URLs and the transport options they imply."""
     eng = config.engine
-    transport_options: dict[str, Any] = {"bucket_mb": config.weight_sync.bucket_mb, **config.weight_sync.options}
+    transport_options: dict[str, Any] = {
+        "bucket_mb": config.weight_sync.bucket_mb,
+        **config.weight_sync.options,
+    }
     with contextlib.ExitStack() as stack:
         options: dict[str, Any] = {
-            "device": eng.device, "dtype": eng.dtype or config.model.dtype,
-            "max_batch_size": eng.max_batch_size, "startup_timeout_s": eng.startup_timeout_s, **eng.options,
+            "device": eng.device,
+            "dtype": eng.dtype or config.model.dtype,
+            "max_batch_size": eng.max_batch_size,
+            "startup_timeout_s": eng.startup_timeout_s,
+            **eng.options,
         }
         if config.transport == "colocated":
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -37,22 +45,36 @@ def rollout_engines(config: MilesConfig, model_path: str, log_dir: str) -> Itera
         launcher: EngineLauncher = make_component("engine", eng.launcher)
         stack.callback(launcher.shutdown)
         if eng.urls:
-            specs = [EngineSpec(model_path=model_path, host=eng.host, options={**options, "url": u}) for u in eng.urls]
+            specs = [
+                EngineSpec(model_path=model_path, host=eng.host, options={**options, "url": u})
+                for u in eng.urls
+            ]
         else:
             specs = [
-                EngineSpec(model_path=model_path, host=eng.host,
-                           port=None if eng.port is None else eng.port + i, options=options)
+                EngineSpec(
+                    model_path=model_path,
+                    host=eng.host,
+                    port=None if eng.port is None else eng.port + i,
+                    options=options,
+                )
                 for i in range(eng.num_engines)
             ]
         urls = launcher.launch(specs, log_dir)
         if len(urls) != eng.num_engines:
-            raise EngineError(f"launcher {eng.launcher!r} started {len(urls)} engines, expected {eng.num_engines}")
+            raise EngineError(
+                f"launcher {eng.launcher!r} started {len(urls)} engines, expected {eng.num_engines}"
+            )
         yield urls, transport_options
 
 
 @contextlib.contextmanager
-def trainer(config: MilesConfig, model_path: str, engine_urls: list[str],
-            transport_options: dict[str, Any], hooks_pm: Any) -> Iterator[Backend]:
+def trainer(
+    config: MilesConfig,
+    model_path: str,
+    engine_urls: list[str],
+    transport_options: dict[str, Any],
+    hooks_pm: Any,
+) -> Iterator[Backend]:
     """Start the backend's ranks and plug its training step into the ``miles_train_step`` hook."""
     alg = config.algorithm
     options: dict[str, Any] = {"train": config.train.model_dump()}
@@ -60,10 +82,17 @@ def trainer(config: MilesConfig, model_path: str, engine_urls: list[str],
     if section is not None and hasattr(section, "model_dump"):
         options[config.backend] = section.model_dump()
     spec = BackendSpec(
-        model_path=model_path, loss=alg.loss, correction=alg.correction, transport=config.transport,
-        engine_urls=engine_urls, temperature=config.rollout.temperature, options=options,
-        loss_options=alg.loss_options, correction_options=alg.correction_options,
-        transport_options=transport_options, seed=config.run.seed,
+        model_path=model_path,
+        loss=alg.loss,
+        correction=alg.correction,
+        transport=config.transport,
+        engine_urls=engine_urls,
+        temperature=config.rollout.temperature,
+        options=options,
+        loss_options=alg.loss_options,
+        correction_options=alg.correction_options,
+        transport_options=transport_options,
+        seed=config.run.seed,
     )
     backend: Backend = make_component("backend", config.backend)
     adapter = _BackendStep(backend)

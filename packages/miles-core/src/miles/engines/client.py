@@ -360,7 +360,9 @@ def _transport_error(url: str, call: EngineCall, exc: Exception, timeout: float 
     return EngineError(f"engine {url}{call.path}: cannot reach the engine: {exc!r}")
 
 
-_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
+# Idle connections expire on the client well before the server drops them (the embedded
+# engine keeps them 120 s): reusing a connection the server is closing fails the request.
+_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=256, keepalive_expiry=30.0)
 
 
 # --------------------------------------------------------------------- clients

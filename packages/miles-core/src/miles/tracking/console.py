@@ -11,21 +11,40 @@ from miles.types import Group
 
 # The metrics shown in the per-step table, in this order, when present.
 HEADLINE = (
-    "rollout/reward_mean", "rollout/reward_std", "rollout/response_len_mean", "rollout/truncated_frac",
-    "rollout/groups_kept", "rollout/groups_dropped", "train/loss", "train/pg_loss", "train/grad_norm",
-    "train/clipfrac", "correction/ratio_mean", "correction/clipped_frac", "correction/abs_dev",
-    "time/rollout_s", "time/train_step_s", "time/weight_update_s", "engine/weight_version",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/full_reward_frac",
+    "rollout/response_len_mean",
+    "rollout/truncated_frac",
+    "rollout/groups_kept",
+    "rollout/groups_dropped",
+    "train/loss",
+    "train/pg_loss",
+    "train/grad_norm",
+    "train/clipfrac",
+    "correction/ratio_mean",
+    "correction/clipped_frac",
+    "correction/abs_dev",
+    "time/rollout_s",
+    "time/train_step_s",
+    "time/weight_update_s",
+    "engine/weight_version",
 )
 
 
 class ConsoleTracker:
-    def __init__(self, num_steps: int, first_step: int = 0, log_samples: int = 1,
-                 console: Console | None = None) -> None:
+    def __init__(
+        self, num_steps: int, first_step: int = 0, log_samples: int = 1, console: Console | None = None
+    ) -> None:
         self.console = console or Console(stderr=True)
         self.log_samples = log_samples
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=self.console, transient=False,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
         )
         self._steps = self.progress.add_task("steps", total=num_steps, completed=first_step)
         self._rollout = self.progress.add_task("rollout", total=1, visible=False)
@@ -40,8 +59,10 @@ class ConsoleTracker:
     def show_samples(self, groups: list[Group]) -> None:
         for group in groups[: self.log_samples]:
             s = group.samples[0]
-            self.console.print(f"[dim]prompt {s.prompt.index} label={s.prompt.label!r} "
-                               f"reward={s.reward}[/dim] {s.response_text[:200]!r}")
+            self.console.print(
+                f"[dim]prompt {s.prompt.index} label={s.prompt.label!r} "
+                f"reward={s.reward}[/dim] {s.response_text[:200]!r}"
+            )
 
     @hookimpl
     def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:

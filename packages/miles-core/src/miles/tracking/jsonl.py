@@ -17,8 +17,10 @@ class JsonlTracker:
 
     @hookimpl
     def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in metrics.items()}}
+        row = {
+            "step": step,
+            **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()},
+        }
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 

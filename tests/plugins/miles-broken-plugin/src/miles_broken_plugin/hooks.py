@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import miles_nonexistent_dependency  # noqa: F401  (the point of this fixture)
+
 from miles import hookimpl
 
 

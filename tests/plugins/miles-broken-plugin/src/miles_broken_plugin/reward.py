@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import miles_nonexistent_dependency
+
 from miles.types import Sample
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles import hookimpl
-from miles.config.sections import ConfigSection
 from pydantic import BaseModel, ConfigDict, Field
 
 import miles_example_plugin
+from miles import hookimpl
+from miles.config.sections import ConfigSection
 
 
 class ExampleOptions(BaseModel):

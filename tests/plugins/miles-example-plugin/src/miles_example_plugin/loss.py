@@ -7,6 +7,7 @@ selects ``algorithm.loss: reinforce``.
 from __future__ import annotations
 
 import torch
+
 from miles.interfaces import LossInputs, LossOutput
 
 

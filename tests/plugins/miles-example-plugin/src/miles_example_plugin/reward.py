@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from miles.types import Sample
-
 import miles_example_plugin
+from miles.types import Sample
 
 # Reward lost per response token beyond the target; 10 extra tokens cost the whole reward.
 PENALTY_PER_TOKEN = 0.1

@@ -25,8 +25,10 @@ class GroupRollout:
         groups = []
         for prompt in prompts:
             prompt_ids = render_prompt_ids(ctx.tokenizer, prompt)
-            samples = [Sample(prompt=prompt, group_index=i, prompt_ids=list(prompt_ids))
-                       for i in range(ctx.n_samples_per_prompt)]
+            samples = [
+                Sample(prompt=prompt, group_index=i, prompt_ids=list(prompt_ids))
+                for i in range(ctx.n_samples_per_prompt)
+            ]
             groups.append(Group(prompt=prompt, samples=samples))
         await asyncio.gather(*(self._run_one(ctx, s) for g in groups for s in g.samples))
         return groups

@@ -539,6 +539,10 @@ def main(argv: list[str] | None = None) -> None:
         options.port,
     )
     config = uvicorn.Config(
-        create_app(engine), log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        create_app(engine),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=120,  # longer than the client's keep-alive expiry (see client._LIMITS)
     )
     uvicorn.Server(config).run(sockets=[sock])
