@@ -15,3 +15,5 @@ os.environ.setdefault("MILES_CACHE_DIR", str(ROOT / ".miles-cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+pytest_plugins = ["plugin_fixtures"]  # the fake_site fixture: real *.dist-info dirs on sys.path

@@ -28,7 +28,6 @@ from miles.plugins import build_plugin_manager, collect_config_sections
 if TYPE_CHECKING:
     from plugin_fixtures import FakeSite
 
-pytest_plugins = ["plugin_fixtures"]  # the fake_site fixture
 
 RECIPES = Path(__file__).parent / "data" / "recipes"
 TINY = str(RECIPES / "tiny.yaml")

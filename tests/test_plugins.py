@@ -25,7 +25,6 @@ from miles.plugins import (
 if TYPE_CHECKING:
     from plugin_fixtures import FakeSite
 
-pytest_plugins = ["plugin_fixtures"]  # the fake_site fixture
 
 REWARD_SOURCE = """
 def score(sample):
