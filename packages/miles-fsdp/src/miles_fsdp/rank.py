@@ -234,7 +234,7 @@ class RankTrainer:
                 )
             self.hooks.miles_correction_postprocess(output=corr, loss_mask=mb.loss_mask)
             correction_weights = corr.weights.detach()
-            metrics.update({f"correction/{k}": float(v) for k, v in corr.metrics.items()})
+            metrics.update({_prefixed("correction/", k): float(v) for k, v in corr.metrics.items()})
 
         inputs = LossInputs(
             logprobs=logprobs,
@@ -260,7 +260,7 @@ class RankTrainer:
                 f"(got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))})"
             )
         loss.backward()
-        metrics.update({f"loss/{k}": float(v) for k, v in out.metrics.items()})
+        metrics.update({_prefixed("loss/", k): float(v) for k, v in out.metrics.items()})
         ent = float((entropy * mb.loss_mask).sum())
         return float(loss.detach()), ent, metrics
 
@@ -311,3 +311,8 @@ class RankTrainer:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def _prefixed(prefix: str, key: str) -> str:
+    """Namespace a component's metric, unless the component already did (``correction/ratio_mean``)."""
+    return key if key.startswith(prefix) else prefix + key

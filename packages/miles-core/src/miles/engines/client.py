@@ -32,12 +32,14 @@ from __future__ import annotations
 import array
 import asyncio
 import base64
+import json
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 
 from miles.errors import EngineError
@@ -325,11 +327,12 @@ def parse_generate_response(
     )
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message_from(status: int, content: bytes) -> str:
+    text = content.decode("utf-8", "replace")
     try:
-        data = response.json()
+        data = json.loads(text)
     except ValueError:
-        return response.text.strip()[:1000] or response.reason_phrase
+        return text.strip()[:1000] or f"status {status}"
     if isinstance(data, dict):
         for key in ("message", "detail", "error"):
             value = data.get(key)
@@ -340,29 +343,35 @@ def _error_message(response: httpx.Response) -> str:
     return str(data)[:1000]
 
 
-def _decode(response: httpx.Response, url: str, call: EngineCall) -> Any:
-    if response.status_code >= 400:
-        raise EngineError(f"engine {url}{call.path}: HTTP {response.status_code}: {_error_message(response)}")
-    if not response.content:
+def _decode_body(status: int, content: bytes, url: str, call: EngineCall) -> Any:
+    if status >= 400:
+        raise EngineError(f"engine {url}{call.path}: HTTP {status}: {_error_message_from(status, content)}")
+    if not content:
         return None
+    text = content.decode("utf-8", "replace")
     try:
-        data = response.json()
+        data = json.loads(text)
     except ValueError:
-        return response.text
+        return text
     if isinstance(data, dict) and data.get("success") is False:
         raise EngineError(f"engine {url}{call.path}: {data.get('message') or 'failed'}")
     return data
 
 
+def _decode(response: httpx.Response, url: str, call: EngineCall) -> Any:
+    return _decode_body(response.status_code, response.content, url, call)
+
+
 def _transport_error(url: str, call: EngineCall, exc: Exception, timeout: float | None) -> EngineError:
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx.TimeoutException | asyncio.TimeoutError):
         return EngineError(f"engine {url}{call.path}: no answer within {timeout} s")
     return EngineError(f"engine {url}{call.path}: cannot reach the engine: {exc!r}")
 
 
 # Idle connections expire on the client well before the server drops them (the embedded
 # engine keeps them 120 s): reusing a connection the server is closing fails the request.
-_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=256, keepalive_expiry=30.0)
+_KEEPALIVE_S = 30.0
+_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=16, keepalive_expiry=_KEEPALIVE_S)
 
 
 # --------------------------------------------------------------------- clients
@@ -389,34 +398,41 @@ class SGLangClient:
         self.timeout = timeout
         self.moe_num_layers = moe_num_layers
         self.moe_topk = moe_topk
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
 
-    def _client(self) -> httpx.AsyncClient:
+    def _session(self) -> aiohttp.ClientSession:
+        # aiohttp, not httpx, for the async side: a rollout keeps hundreds of requests in flight
+        # per engine, and httpx's connection pool does work quadratic in that number per event.
         loop = asyncio.get_running_loop()
-        if self._http is None or self._loop is not loop:
-            # A pool belongs to the loop that opened its connections; the old one is dropped, not reused.
-            self._http = httpx.AsyncClient(
-                base_url=self.url, timeout=self.timeout, limits=_LIMITS, trust_env=False
-            )
+        if self._http is None or self._loop is not loop or self._http.closed:
+            # A session belongs to the loop that opened its connections; the old one is dropped.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
+            self._http = aiohttp.ClientSession(connector=connector, trust_env=False)
             self._loop = loop
         return self._http
+
+    async def _request(self, call: EngineCall, timeout: float) -> tuple[int, bytes]:
+        async with self._session().request(
+            call.method, self.url + call.path, json=call.body, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as response:
+            return response.status, await response.read()
 
     async def call(self, call: EngineCall, *, timeout: float | None = None) -> Any:
         """Send one call; returns the decoded JSON (or text, or None for an empty body)."""
         timeout = self.timeout if timeout is None else timeout
         try:
-            response = await self._client().request(call.method, call.path, json=call.body, timeout=timeout)
-        except httpx.HTTPError as exc:
+            status, content = await self._request(call, timeout)
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise _transport_error(self.url, call, exc, timeout) from exc
-        return _decode(response, self.url, call)
+        return _decode_body(status, content, self.url, call)
 
     async def aclose(self) -> None:
         if self._http is not None and self._loop is asyncio.get_running_loop():
-            await self._http.aclose()
+            await self._http.close()
         self._http = self._loop = None
 
     # -- generation
@@ -441,10 +457,10 @@ class SGLangClient:
 
     async def health(self, timeout: float = 5.0) -> bool:
         try:
-            response = await self._client().get(HEALTH.path, timeout=timeout)
-        except httpx.HTTPError:
+            status, _ = await self._request(HEALTH, timeout)
+        except (TimeoutError, aiohttp.ClientError):
             return False
-        return response.status_code == 200
+        return status == 200
 
     async def weight_version(self) -> int:
         data = await self.call(WEIGHT_VERSION)

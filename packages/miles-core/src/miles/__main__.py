@@ -1,0 +1,5 @@
+"""``python -m miles`` is the ``miles`` command."""
+
+from miles.cli import main
+
+main()
