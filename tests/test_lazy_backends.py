@@ -27,14 +27,18 @@ SCRIPT = textwrap.dedent(
 
 def test_fsdp_run_setup_never_imports_megatron():
     assert importlib.util.find_spec("megatron") is not None, "megatron-core should be installed for this test"
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=True
+    )
     line = next(line for line in out.stdout.splitlines() if line.startswith("IMPORTED:"))
     assert line == "IMPORTED:", line
 
 
 def test_unselected_backend_entry_point_is_not_imported(fake_site):
     fake_site.module("fake_heavy_backend.backend", "raise RuntimeError('imported although not selected')\n")
-    fake_site.dist("fake-heavy-backend", "1.0", {"miles.backends": {"heavy": "fake_heavy_backend.backend:Backend"}})
+    fake_site.dist(
+        "fake-heavy-backend", "1.0", {"miles.backends": {"heavy": "fake_heavy_backend.backend:Backend"}}
+    )
     from miles.config import load_recipe, validate_components
     from miles.plugins import list_plugins
 

@@ -23,7 +23,11 @@ class _Rewards:
         self.samples.extend(s for g in groups for s in g.samples)
 
 
-def test_run_selects_example_plugin_reward_loss_and_config_section(small_run):
+def test_run_selects_example_plugin_reward_loss_and_config_section(small_run, monkeypatch):
+    import miles_example_plugin
+
+    # The plugin keeps its configured target in a module global; restore it after this test.
+    monkeypatch.setattr(miles_example_plugin, "target_length", miles_example_plugin.target_length)
     config = small_run(
         "run.num_steps=1",
         "run.export_hf=false",

@@ -97,3 +97,15 @@ def test_fsdp_section_is_contributed_through_the_hook():
     assert section.name == "fsdp" and section.model is FSDPOptions
     with pytest.raises(ValueError, match="num_rank"):
         FSDPOptions.model_validate({"num_rank": 2})
+
+
+def test_broadcast_with_engine_on_a_trainer_gpu_is_refused_before_start():
+    from miles.config import load_recipe
+    from miles.errors import ConfigError
+    from miles_fsdp.hooks import miles_configure
+
+    clash = load_recipe("default", ["fsdp.device=cuda", "engine.device=cuda", "transport=broadcast"])
+    with pytest.raises(ConfigError, match=r"engine\.device=cuda:1"):
+        miles_configure(clash)
+    miles_configure(load_recipe("default", ["fsdp.device=cuda", "engine.device=cuda:1"]))
+    miles_configure(load_recipe("default", ["fsdp.device=cuda", "engine.device=cuda", "transport=colocated"]))

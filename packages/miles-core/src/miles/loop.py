@@ -53,14 +53,15 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     # The rich console owns the terminal; library progress bars (here and in the engine and
     # rank processes, which inherit the environment) would tear it.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    pm = get_plugin_manager()
+    hooks = pm.hook
+    # Plugins see (and may refuse) the config before anything is written or started.
+    hooks.miles_configure.call_historic(kwargs={"config": config})
     run = RunDir(config.run_dir)
     run.prepare(resume=resume, overwrite=overwrite)
     with open(run.sub("config.yaml"), "w", encoding="utf-8") as f:
         f.write(dump_config(config))
     model_path = resolve_model(config.model.path)
-    pm = get_plugin_manager()
-    hooks = pm.hook
-    hooks.miles_configure.call_historic(kwargs={"config": config})
     components = build_components(config)
 
     checkpoint = run.latest_checkpoint() if resume else None
@@ -71,15 +72,17 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
 
     loop = asyncio.new_event_loop()
     status = "failed"
+    engines: list = []
     with contextlib.ExitStack() as stack:
         stack.callback(loop.close)
+        stack.callback(lambda: loop.run_until_complete(_close_clients(engines)))
         trackers = _start_trackers(config, run, state.step, pm, stack)
         console = trackers.get("console")
         engine_urls, transport_options = stack.enter_context(
             rollout_engines(config, model_path, run.sub("engines"))
         )
         backend = stack.enter_context(trainer(config, model_path, engine_urls, transport_options, pm))
-        engines = _engine_clients(engine_urls)
+        engines.extend(_engine_clients(engine_urls))
         ctx = _rollout_context(config, model_path, engines, components, console)
         rollout = RolloutStage(
             components,
@@ -155,6 +158,11 @@ def _save(run: RunDir, backend: object, state: LoopState, keep: int) -> str:
     staging = run.staging_dir(state.step)
     backend.save_checkpoint(os.path.join(staging, "trainer"))  # type: ignore[attr-defined]
     return run.commit_checkpoint(staging, state.step, state, keep)
+
+
+async def _close_clients(engines: list) -> None:
+    for engine in engines:
+        await engine.aclose()
 
 
 def _engine_clients(urls: list[str]) -> list:

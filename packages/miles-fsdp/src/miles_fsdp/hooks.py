@@ -1,9 +1,12 @@
-"""Hooks the FSDP backend contributes to every run: its ``fsdp`` recipe section."""
+"""Hooks the FSDP backend contributes to every run: its ``fsdp`` recipe section and placement checks."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from miles import hookimpl
 from miles.config.sections import ConfigSection
+from miles.errors import ConfigError
 from miles_fsdp.config import FSDPOptions
 
 
@@ -16,3 +19,22 @@ def miles_config_sections() -> list[ConfigSection]:
             description="FSDP2 training backend: ranks, device, mixed precision, checkpointing",
         )
     ]
+
+
+@hookimpl
+def miles_configure(config: Any) -> None:
+    """Refuse placements that cannot run: NCCL cannot join two processes on one GPU."""
+    options = getattr(config, "fsdp", None)
+    if config.backend != "fsdp" or options is None or options.device != "cuda":
+        return
+    engine_device = config.engine.device
+    if config.transport != "broadcast" or not engine_device.startswith("cuda") or config.engine.urls:
+        return
+    engine_gpu = int(engine_device.split(":", 1)[1]) if ":" in engine_device else 0
+    if engine_gpu < options.num_ranks:
+        raise ConfigError(
+            f"transport 'broadcast' needs the engines on a GPU no trainer rank uses: engine.device is "
+            f"{engine_device!r} and fsdp.num_ranks={options.num_ranks} trains on cuda:0..cuda:{options.num_ranks - 1} "
+            f"(NCCL cannot connect two processes on one GPU); set engine.device=cuda:{options.num_ranks} "
+            "or use transport: colocated"
+        )

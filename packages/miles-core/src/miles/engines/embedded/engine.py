@@ -68,6 +68,9 @@ class EmbeddedEngine:
 
         self.options = options
         self.device = torch.device(options.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # NCCL groups (weight updates) need an explicit index; "cuda" means the current GPU.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         config = AutoConfig.from_pretrained(options.model_path)
         if options.dtype == "auto":
             configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
