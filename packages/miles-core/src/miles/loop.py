@@ -58,11 +58,13 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     # Plugins see (and may refuse) the config before anything is written or started.
     hooks.miles_configure.call_historic(kwargs={"config": config})
     run = RunDir(config.run_dir)
+    run.check(resume=resume, overwrite=overwrite)
+    # Bad models and datasets fail here, before the run directory is touched.
+    model_path = resolve_model(config.model.path)
+    components = build_components(config)
     run.prepare(resume=resume, overwrite=overwrite)
     with open(run.sub("config.yaml"), "w", encoding="utf-8") as f:
         f.write(dump_config(config))
-    model_path = resolve_model(config.model.path)
-    components = build_components(config)
 
     checkpoint = run.latest_checkpoint() if resume else None
     state = RunDir.read_state(checkpoint) if checkpoint else LoopState()

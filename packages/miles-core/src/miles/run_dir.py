@@ -44,25 +44,28 @@ class RunDir:
     def checkpoints(self) -> str:
         return self.sub("checkpoints")
 
-    def prepare(self, *, resume: bool, overwrite: bool) -> None:
-        """Refuse to clobber earlier results unless asked; called before anything heavy starts."""
+    def check(self, *, resume: bool, overwrite: bool) -> None:
+        """Refuse to clobber earlier results unless asked; writes nothing."""
         if resume and overwrite:
             raise RunDirError("--resume and --overwrite contradict each other; pass one")
-        existing = sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise RunDirError(f"run directory {self.path} exists and is not a directory")
-        if resume:
-            if self.latest_checkpoint() is None:
-                raise RunDirError(
-                    f"--resume: no complete checkpoint under {self.checkpoints}; "
-                    "a run saves one every run.save_every steps"
-                )
-        elif existing:
-            if not overwrite:
-                raise RunDirError(
-                    f"run directory {self.path} already holds results ({', '.join(existing[:4])}); "
-                    "pass --resume to continue it, --overwrite to replace it, or choose another run.name"
-                )
+        existing = sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
+        if resume and self.latest_checkpoint() is None:
+            raise RunDirError(
+                f"--resume: no complete checkpoint under {self.checkpoints}; "
+                "a run saves one every run.save_every steps"
+            )
+        if existing and not resume and not overwrite:
+            raise RunDirError(
+                f"run directory {self.path} already holds results ({', '.join(existing[:4])}); "
+                "pass --resume to continue it, --overwrite to replace it, or choose another run.name"
+            )
+
+    def prepare(self, *, resume: bool, overwrite: bool) -> None:
+        """Check, then create the directory (emptied first with ``overwrite``)."""
+        self.check(resume=resume, overwrite=overwrite)
+        if overwrite and os.path.isdir(self.path):
             shutil.rmtree(self.path)
         os.makedirs(self.path, exist_ok=True)
 
