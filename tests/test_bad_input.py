@@ -16,7 +16,7 @@ def _config(tmp_path, *overrides):
 
 
 def test_missing_dataset_file_fails_before_the_run_directory_exists(tmp_path):
-    with pytest.raises(DataError, match="nope.jsonl"):
+    with pytest.raises(DataError, match=r"nope\.jsonl"):
         train(_config(tmp_path, f"data.path={tmp_path / 'nope.jsonl'}"))
     assert not (tmp_path / "runs").exists()
 
@@ -31,7 +31,7 @@ def test_bad_dataset_line_names_file_line_and_field(tmp_path):
 
 def test_model_directory_that_is_not_a_model(tmp_path):
     (tmp_path / "empty-model").mkdir()
-    with pytest.raises(ModelError, match="config.json"):
+    with pytest.raises(ModelError, match=r"config\.json"):
         train(_config(tmp_path, f"model.path={tmp_path / 'empty-model'}"))
     assert not (tmp_path / "runs").exists()
 
