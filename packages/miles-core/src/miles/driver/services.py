@@ -36,6 +36,7 @@ def rollout_engines(
             "dtype": eng.dtype or config.model.dtype,
             "max_batch_size": eng.max_batch_size,
             "startup_timeout_s": eng.startup_timeout_s,
+            "seed": config.run.seed,  # reproducible sampling unless engine.options overrides it
             **eng.options,
         }
         if config.transport == "colocated":
