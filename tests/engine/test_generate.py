@@ -172,7 +172,12 @@ def test_abort_request_returns_the_partial_output(url: str) -> None:
     results: dict = {}
     t = _long_request(url, "to-abort", results, max_new_tokens=480)
     _wait_running(url)
-    run(SGLangClient(url).abort_request("to-abort"))
+    # Hold the request mid-flight so the abort cannot lose a race with a fast machine.
+    run(SGLangClient(url).pause_generation(mode="in_place"))
+    try:
+        run(SGLangClient(url).abort_request("to-abort"))
+    finally:
+        run(SGLangClient(url).continue_generation())
     t.join(timeout=30)
     meta = results["to-abort"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"
