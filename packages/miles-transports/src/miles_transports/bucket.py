@@ -10,6 +10,7 @@ cache), so an engine reports a version only once all of its tensors have arrived
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         yield current
 
 
-class BucketedTransport:
+class BucketedTransport(abc.ABC):
     """Base of the transports: every rank drains the stream; rank 0 sends it bucket by bucket.
 
     Subclasses implement ``_open`` (rank 0, once), ``_send_bucket`` and ``_close``,
@@ -125,14 +126,17 @@ class BucketedTransport:
 
     # ------------------------------------------------------------ subclass
 
+    @abc.abstractmethod
     def _open(self) -> None:
-        raise NotImplementedError
+        """Rank 0, once: connect to the engines (join a group, create a hand-off directory...)."""
 
+    @abc.abstractmethod
     def _send_bucket(self, bucket: Bucket, version: int) -> None:
-        raise NotImplementedError
+        """Rank 0: deliver one bucket to every engine (one engine call per bucket)."""
 
+    @abc.abstractmethod
     def _close(self) -> None:
-        raise NotImplementedError
+        """Rank 0: release what ``_open`` acquired."""
 
     def _target_device(self) -> str:
         return "cpu"

@@ -13,6 +13,7 @@ Processes are stopped by :meth:`shutdown`, which also runs at interpreter exit.
 
 from __future__ import annotations
 
+import abc
 import atexit
 import importlib.util
 import os
@@ -127,7 +128,7 @@ class _Proc:
     log_file: IO[bytes]
 
 
-class _ProcessLauncher:
+class _ProcessLauncher(abc.ABC):
     """Shared bookkeeping: spawn, wait healthy, stop."""
 
     name = "engine"
@@ -138,8 +139,9 @@ class _ProcessLauncher:
         self._procs: list[_Proc] = []
         self._atexit = False
 
+    @abc.abstractmethod
     def _allowed_options(self) -> set[str]:
-        raise NotImplementedError
+        """The ``EngineSpec.options`` keys this launcher understands."""
 
     def _check_options(self, specs: Sequence[EngineSpec]) -> None:
         allowed = self._allowed_options()
