@@ -139,6 +139,26 @@ class _ProcessLauncher(abc.ABC):
         self._procs: list[_Proc] = []
         self._atexit = False
 
+    # Attaching to running servers only health-checks them; it never needs the full start-up time.
+    attach_timeout_cap_s: float | None = None
+
+    def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
+        """Attach when every spec carries a ``url`` option, else start one process per spec."""
+        self._check_options(specs)
+        if not specs:
+            return []
+        timeout = float(specs[0].options.get("startup_timeout_s") or self.startup_timeout_s)
+        if all("url" in s.options for s in specs):
+            cap = self.attach_timeout_cap_s
+            return _attach(specs, timeout if cap is None else min(timeout, cap))
+        if any("url" in s.options for s in specs):
+            raise ConfigError(f"{self.name} engines: give every engine a url (attach) or none (launch)")
+        return self._start(specs, log_dir, timeout)
+
+    @abc.abstractmethod
+    def _start(self, specs: list[EngineSpec], log_dir: str, timeout: float) -> list[str]:
+        """Start the engine processes and return their URLs once healthy."""
+
     @abc.abstractmethod
     def _allowed_options(self) -> set[str]:
         """The ``EngineSpec.options`` keys this launcher understands."""
@@ -304,15 +324,7 @@ class EmbeddedLauncher(_ProcessLauncher):
                 argv += [flag, str(o[key])]
         return argv
 
-    def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
-        self._check_options(specs)
-        if not specs:
-            return []
-        timeout = float(specs[0].options.get("startup_timeout_s") or self.startup_timeout_s)
-        if all("url" in s.options for s in specs):
-            return _attach(specs, timeout)
-        if any("url" in s.options for s in specs):
-            raise ConfigError("embedded engines: give every engine a url (attach) or none (launch)")
+    def _start(self, specs: list[EngineSpec], log_dir: str, timeout: float) -> list[str]:
         for i, spec in enumerate(specs):
             if not Path(spec.model_path).is_dir():
                 raise EngineError(f"embedded engine {i}: model path {spec.model_path!r} is not a directory")
@@ -373,6 +385,7 @@ class SGLangLauncher(_ProcessLauncher):
     """
 
     name = "sglang"
+    attach_timeout_cap_s = 60.0
 
     def __init__(self, *, startup_timeout_s: float = 900.0, python: str | None = None) -> None:
         super().__init__(startup_timeout_s=startup_timeout_s, python=python)
@@ -380,15 +393,7 @@ class SGLangLauncher(_ProcessLauncher):
     def _allowed_options(self) -> set[str]:
         return SGLANG_OPTIONS
 
-    def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
-        self._check_options(specs)
-        if not specs:
-            return []
-        timeout = float(specs[0].options.get("startup_timeout_s") or self.startup_timeout_s)
-        if all("url" in s.options for s in specs):
-            return _attach(specs, min(timeout, 60.0))
-        if any("url" in s.options for s in specs):
-            raise ConfigError("sglang engines: give every engine a url (attach) or none (launch)")
+    def _start(self, specs: list[EngineSpec], log_dir: str, timeout: float) -> list[str]:
         if importlib.util.find_spec("sglang") is None:
             raise EngineError(
                 "engine.launcher is 'sglang' but the sglang package is not installed in this environment; "
