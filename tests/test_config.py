@@ -357,7 +357,16 @@ ALL_BY_PATH = [
 
 
 def test_component_refs_cover_every_component_key(pm) -> None:
-    config = load_recipe(TINY, ["rollout.filters=[a, b]"], pm=pm)
+    config = load_recipe(
+        TINY,
+        [
+            "rollout.filters=[a, b]",
+            "rollout.reward_postprocess=[c]",
+            "algorithm.loss=d",
+            "algorithm.critic={}",
+        ],
+        pm=pm,
+    )
     assert [key for key, _, _ in component_refs(config)] == [
         "backend",
         "transport",
@@ -366,10 +375,12 @@ def test_component_refs_cover_every_component_key(pm) -> None:
         "rollout.reward",
         "rollout.filters[0]",
         "rollout.filters[1]",
+        "rollout.reward_postprocess[0]",
         "rollout.buffer",
         "algorithm.advantage",
         "algorithm.loss",
         "algorithm.correction",
+        "algorithm.critic.loss",
         "data.source",
         "engine.launcher",
     ]

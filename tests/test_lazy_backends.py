@@ -18,7 +18,9 @@ SCRIPT = textwrap.dedent(
     validate_components(config, load=True)
     get_plugin_manager()
     make_component("backend", config.backend)
-    build_components(config)
+    from miles.models.registry import resolve_model
+
+    build_components(config, resolve_model(config.model.path))
     heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("megatron", "miles_megatron", "transformer_engine"))
     print("IMPORTED:" + ",".join(heavy))
     """

@@ -23,7 +23,7 @@ def test_objective_from_the_default_algorithm_section() -> None:
         loss_options={"clip_high": 0.3, "dual_clip": 3.0}, correction_options={"high": 4.0}
     )
     adv = make_component("advantage", section.advantage, section.advantage_options)
-    loss = make_component("loss", section.loss, section.loss_options)
+    loss = make_component("loss", section.loss or adv.default_loss, section.loss_options)
     corr = make_component("correction", section.correction, section.correction_options)
     assert isinstance(adv, GRPOAdvantage) and adv.normalize_std
     assert isinstance(loss, PPOClipLoss) and (loss.clip_low, loss.clip_high, loss.dual_clip) == (

@@ -50,3 +50,17 @@ def test_bad_bounds_and_shapes() -> None:
         TruncatedIS(low=2.0, high=1.0)
     with pytest.raises(ValueError, match="shapes differ"):
         TruncatedIS()(torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2))
+
+
+def test_masked_tokens_keep_weight_one_whatever_the_interval() -> None:
+    # With [1.5, 3] a masked token (ratio 1 after masking) is still weight 1, not clamped up to 1.5;
+    # the loss token r = 1 is pulled up to 1.5.
+    out = TruncatedIS(low=1.5, high=3.0)(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([[1.0, 0.0]]))
+    assert out.weights.tolist()[0] == pytest.approx([1.5, 1.0])
+
+
+def test_by_name() -> None:
+    from miles.plugins import make_component
+
+    corr = make_component("correction", "tis", {"high": 3.0})
+    assert isinstance(corr, TruncatedIS) and (corr.low, corr.high) == (0.0, 3.0)

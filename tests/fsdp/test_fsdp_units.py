@@ -80,6 +80,24 @@ def test_token_logprobs_matches_log_softmax_and_its_gradient(temperature):
     torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_token_logprobs_entropy_gradient_matches_autograd(temperature):
+    """The entropy bonus needs dH/dlogits: alone, and mixed with the log-prob gradient."""
+    torch.manual_seed(1)
+    logits = torch.randn(8, 13, dtype=torch.float64, requires_grad=True)
+    rows = torch.tensor([1, 2, 6, 7])
+    targets = torch.tensor([3, 0, 12, 3])
+    ref_all = torch.log_softmax(logits / temperature, dim=-1)[rows]
+    ref_lp = ref_all.gather(1, targets[:, None]).squeeze(1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    w, v = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    for objective in (lambda lp, ent: (ent * v).sum(), lambda lp, ent: (lp * w + ent * v).sum()):
+        lp, ent = token_logprobs(logits, rows, targets, temperature=temperature, chunk=3)
+        (grad,) = torch.autograd.grad(objective(lp, ent), logits)
+        (ref_grad,) = torch.autograd.grad(objective(ref_lp, ref_ent), logits, retain_graph=True)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=0)
+
+
 def test_token_logprobs_bfloat16_logits_are_read_in_float32():
     torch.manual_seed(0)
     logits = torch.randn(4, 9).to(torch.bfloat16)

@@ -1,11 +1,12 @@
-"""nonzero_std keeps only groups that carry a learning signal."""
+"""nonzero_std keeps groups that carry a learning signal; no_aborted drops groups with an aborted sample."""
 
 from __future__ import annotations
 
 import pytest
 
-from miles.builtins.filters import nonzero_std
-from miles.types import Group, Prompt, Sample
+from miles.builtins.filters import no_aborted, nonzero_std
+from miles.plugins import load_component
+from miles.types import Group, Prompt, Sample, Status
 
 
 def group(rewards: list[float | None]) -> Group:
@@ -27,3 +28,27 @@ def group(rewards: list[float | None]) -> Group:
 )
 def test_nonzero_std(rewards: list[float | None], keep: bool) -> None:
     assert nonzero_std(group(rewards)) is keep
+
+
+def with_statuses(*statuses: Status) -> Group:
+    prompt = Prompt(index=0, prompt="q")
+    return Group(prompt=prompt, samples=[Sample(prompt=prompt, status=s, reward=1.0) for s in statuses])
+
+
+@pytest.mark.parametrize(
+    ("statuses", "keep"),
+    [
+        ((Status.COMPLETED, Status.COMPLETED), True),
+        ((Status.COMPLETED, Status.TRUNCATED, Status.FAILED), True),  # only aborts drop a group
+        ((Status.COMPLETED, Status.ABORTED), False),
+        ((Status.ABORTED,), False),
+        ((), True),
+    ],
+)
+def test_no_aborted(statuses: tuple[Status, ...], keep: bool) -> None:
+    assert no_aborted(with_statuses(*statuses)) is keep
+
+
+def test_filters_are_selected_by_name() -> None:
+    assert load_component("filter", "no_aborted") is no_aborted
+    assert load_component("filter", "nonzero_std") is nonzero_std

@@ -90,6 +90,10 @@ class RolloutContext:
     options: dict[str, Any] = field(default_factory=dict)  # the recipe's rollout.options
     # Called once per finished trajectory (drives the per-rollout progress bar).
     on_sample_done: Callable[[Sample], None] | None = None
+    # Run on every finished, non-aborted trajectory before its reward (a served teacher's scoring).
+    scorers: list[SampleScorer] = field(default_factory=list)
+    # Applied in order to each reward once it is known (e.g. an overlong penalty).
+    reward_postprocess: list[RewardPostprocessor] = field(default_factory=list)
 
     def engine_for(self, key: int) -> EngineClient:
         return self.engines[key % len(self.engines)]
@@ -112,6 +116,16 @@ class RolloutFn(Protocol):
 # A reward scores one finished sample (sync or async); rewards are plain callables.
 RewardFn = Callable[[Sample], "float | Awaitable[float]"]
 
+# A group reward sees every finished sample of a group at once (judges that compare, diversity
+# bonuses). It is marked by a true ``group_reward`` attribute and returns one reward per sample.
+GroupRewardFn = Callable[[list[Sample]], "list[float] | Awaitable[list[float]]"]
+
+# A reward post-processor reshapes one finished sample's reward (e.g. an overlong penalty).
+RewardPostprocessor = Callable[[Sample, float], float]
+
+# A sample scorer adds per-token signals to a finished trajectory (``sample.token_scores``).
+SampleScorer = Callable[["RolloutContext", Sample], Awaitable[None]]
+
 # A group filter keeps (True) or drops (False) a finished group before it enters the buffer.
 GroupFilter = Callable[[Group], bool]
 
@@ -133,24 +147,70 @@ class Buffer(Protocol):
 # ---------------------------------------------------------------------- objective
 
 
+# Names of the per-token signals the trainer's scoring pass computes before advantages
+# (``Backend.score``); estimators and losses list the ones they read in ``requires``.
+REF_LOGPROBS = "ref_logprobs"  # the frozen reference policy (KL penalties)
+VALUES = "values"  # the critic's value predictions (PPO)
+TEACHER_LOGPROBS = "teacher_logprobs"  # an in-process teacher (on-policy distillation)
+SCORE_NAMES = (REF_LOGPROBS, VALUES, TEACHER_LOGPROBS)
+
+
+@dataclass
+class AdvantageOutput:
+    """Per sample (in group order), per response token. ``returns`` are the critic's targets."""
+
+    advantages: list[list[float]]
+    returns: list[list[float]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 @runtime_checkable
 class AdvantageEstimator(Protocol):
-    """Turns rewarded groups into per-token advantages (one row per sample, one value per response token)."""
+    """Turns rewarded groups into per-token advantages (one row per sample, one value per response token).
 
-    def __call__(self, groups: list[Group]) -> list[list[float]]: ...
+    Optional class attributes: ``requires`` (a set of ``SCORE_NAMES`` read from
+    ``sample.token_scores``; the driver has the backend compute them first) and
+    ``default_loss`` (the loss used when the recipe leaves ``algorithm.loss`` unset).
+    Observation tokens (``loss_mask == 0``) must get advantage 0.
+    """
+
+    def __call__(self, groups: list[Group]) -> AdvantageOutput: ...
 
 
 @dataclass
 class LossInputs:
-    """Per-token tensors of one micro-batch, all shaped [batch, response_len] and right-padded."""
+    """Per-token tensors of one micro-batch, all shaped [batch, response_len] and right-padded.
 
-    logprobs: torch.Tensor  # current policy, carries the gradient
-    old_logprobs: torch.Tensor  # policy at the start of this step (no grad)
-    rollout_logprobs: torch.Tensor  # what the engine reported when sampling
-    advantages: torch.Tensor
+    Which fields are set depends on the loss's ``kind``: ``policy`` losses get the
+    log-prob family and advantages (plus ``entropy`` / ``ref_logprobs`` when they list
+    them in ``requires``), ``supervised`` losses get ``logprobs``, and ``value`` losses
+    get the critic's ``values``, ``old_values`` and ``returns``. A loss checks what it reads.
+
+    Reduction: ``num_loss_tokens`` and ``num_samples`` count the whole global batch (all
+    ranks, all micro-batches), so a loss that divides its masked sum by one of them adds up
+    across micro-batches to the token mean (or the per-sample mean) of the global batch.
+    Each row of a micro-batch is one whole sample.
+    """
+
     loss_mask: torch.Tensor  # float, 1 where the token is trained on
+    logprobs: torch.Tensor | None = None  # current policy, carries the gradient
+    old_logprobs: torch.Tensor | None = None  # policy at the start of this step (no grad)
+    rollout_logprobs: torch.Tensor | None = None  # what the engine reported when sampling
+    advantages: torch.Tensor | None = None
     correction_weights: torch.Tensor | None = None  # from a Correction, per token
-    num_loss_tokens: int = 1  # loss-token count of the whole global batch, for token-mean reduction
+    entropy: torch.Tensor | None = None  # policy entropy per position, carries the gradient
+    ref_logprobs: torch.Tensor | None = None  # frozen reference policy (no grad)
+    values: torch.Tensor | None = None  # critic predictions, carry the gradient
+    old_values: torch.Tensor | None = None  # critic predictions from the scoring pass (no grad)
+    returns: torch.Tensor | None = None  # value targets
+    num_loss_tokens: int = 1
+    num_samples: int = 1
+
+    def need(self, *names: str, who: str) -> None:
+        """Raise a clear error when a field this loss reads was not provided."""
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{who}: LossInputs is missing {', '.join(missing)}")
 
 
 @dataclass
@@ -161,6 +221,14 @@ class LossOutput:
 
 @runtime_checkable
 class Loss(Protocol):
+    """One protocol for every objective term; ``kind`` says which inputs it gets.
+
+    Class attributes: ``kind`` (``"policy"`` by default, ``"value"`` for a critic's loss,
+    ``"supervised"`` for SFT) and ``requires`` (extra inputs: ``"entropy"``,
+    ``"ref_logprobs"``). A user loss plugs in by name or import path; the
+    ``miles_loss_postprocess`` hook may still replace its output.
+    """
+
     def __call__(self, inputs: LossInputs) -> LossOutput: ...
 
 
@@ -213,6 +281,10 @@ class Backend(Protocol):
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
 
+    def score(self, samples: list[Sample], names: list[str]) -> dict[str, list[list[float]]]:
+        """Per-token signals for ``samples`` before advantages (``SCORE_NAMES``), one row per sample."""
+        ...
+
     def update_weights(self, version: int) -> TransportStats: ...
 
     def save_checkpoint(self, directory: str) -> None: ...
@@ -239,6 +311,21 @@ class BackendSpec:
     correction_options: dict[str, Any] = field(default_factory=dict)
     transport_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # What the scoring pass must be able to compute (``SCORE_NAMES``), and the models behind it.
+    scores: list[str] = field(default_factory=list)
+    ref_model_path: str | None = None
+    teacher_model_path: str | None = None
+    critic: CriticSpec | None = None
+
+
+@dataclass
+class CriticSpec:
+    """The value model PPO trains next to the policy, on the same backend."""
+
+    model_path: str
+    loss: str = "value_clip"
+    loss_options: dict[str, Any] = field(default_factory=dict)
+    lr: float = 1e-5
 
 
 # ------------------------------------------------------------------------ engines

@@ -1,14 +1,16 @@
-"""The driver: one synchronous RL loop, readable as pseudocode.
+"""The driver: one synchronous loop, readable as pseudocode.
 
     for each step:
-        groups  = generate(step)            # data source -> rollout fn -> engines -> filters -> buffer
-        metrics = train(step, groups)       # advantages -> loss (+ correction) -> backend step
+        RL:  groups = generate(step)          # data source -> rollout fn -> engines -> filters -> buffer
+             batch  = make_train_batch(groups) # scores on the trainer -> advantages (+ distillation)
+        SFT: batch  = next conversations       # data source -> assistant-token loss masks
+        metrics = train(step, batch)           # loss (+ correction) -> backend step
         save a checkpoint when one is due
-        update the engines' weights         # transport; engines serve version step+1
+        RL:  update the engines' weights       # transport; engines serve version step+1
         log the step
 
 Everything else (which engine, which backend, which loss) lives behind those calls
-and is chosen by the recipe.
+and is chosen by the recipe. SFT (``mode: sft``) starts no engine at all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from dataclasses import dataclass
 from miles.config.schema import MilesConfig
 from miles.driver.components import build_components
 from miles.driver.generation import RolloutStage
-from miles.driver.services import check_engine_versions, describe_update, rollout_engines, trainer
+from miles.driver.services import (
+    check_engine_versions,
+    describe_update,
+    rollout_engines,
+    served_teacher,
+    trainer,
+)
+from miles.driver.sft import SFTStage
 from miles.driver.training import make_train_batch
 from miles.interfaces import RolloutContext
 from miles.plugins import get_plugin_manager
@@ -61,7 +70,8 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     run.check(resume=resume, overwrite=overwrite)
     # Bad models and datasets fail here, before the run directory is touched.
     model_path = resolve_model(config.model.path)
-    components = build_components(config)
+    components = build_components(config, model_path)
+    rl = config.mode == "rl"
     run.prepare(resume=resume, overwrite=overwrite)
     with open(run.sub("config.yaml"), "w", encoding="utf-8") as f:
         f.write(dump_config(config))
@@ -77,39 +87,63 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     engines: list = []
     with contextlib.ExitStack() as stack:
         stack.callback(loop.close)
-        stack.callback(lambda: loop.run_until_complete(_close_clients(engines)))
+        sessions = [components.reward, *components.reward_postprocess]
+        stack.callback(lambda: loop.run_until_complete(_close_clients([*engines, *sessions])))
         trackers = _start_trackers(config, run, state.step, pm, stack)
         console = trackers.get("console")
-        engine_urls, transport_options = stack.enter_context(
-            rollout_engines(config, model_path, run.sub("engines"))
+        engine_urls: list[str] = []
+        transport_options: dict = {}
+        if rl:
+            engine_urls, transport_options = stack.enter_context(
+                rollout_engines(config, model_path, run.sub("engines"))
+            )
+        backend = stack.enter_context(
+            trainer(config, model_path, components.objective, engine_urls, transport_options, pm)
         )
-        backend = stack.enter_context(trainer(config, model_path, engine_urls, transport_options, pm))
         engines.extend(_engine_clients(engine_urls))
-        ctx = _rollout_context(config, model_path, engines, components, console)
-        rollout = RolloutStage(
-            components,
-            ctx,
-            prompts_per_step=config.rollout.prompts_per_step,
-            max_rounds=config.rollout.max_rounds,
-            hooks=hooks,
-            loop=loop,
-        )
+        if rl:
+            ctx = _rollout_context(config, model_path, engines, components, console)
+            teacher = stack.enter_context(served_teacher(config, ctx.tokenizer, loop, run.sub("teachers")))
+            if teacher is not None:
+                ctx.scorers.append(teacher)
+            rollout = RolloutStage(
+                components,
+                ctx,
+                prompts_per_step=config.rollout.prompts_per_step,
+                max_rounds=config.rollout.max_rounds,
+                hooks=hooks,
+                loop=loop,
+            )
+        else:
+            sft = SFTStage(
+                components.data_source,
+                _tokenizer(model_path),
+                batch_size=config.sft.batch_size,
+                max_length=config.sft.max_length,
+            )
         if checkpoint:
             backend.load_checkpoint(os.path.join(checkpoint, "trainer"))
-            if state.weight_version > 0:
+            if rl and state.weight_version > 0:
                 backend.update_weights(state.weight_version)
                 check_engine_versions(loop, engines, state.weight_version)
         hooks.miles_on_run_start(config=config, run_dir=run.path)
         try:
             for step in range(state.step, config.run.num_steps):
                 t_step = time.perf_counter()
-                # generate
-                groups, metrics = rollout.run(step, on_round_start=_rollout_bar(console, step))
-                if console is not None:
-                    console.show_samples(groups)
+                batch = None
+                if rl:  # generate, then score and turn the groups into a batch
+                    groups, metrics = rollout.run(step, on_round_start=_rollout_bar(console, step))
+                    if console is not None:
+                        console.show_samples(groups)
+                    if groups:
+                        batch, adv_metrics = make_train_batch(
+                            groups, components.objective, backend, step, hooks
+                        )
+                        metrics |= adv_metrics
+                else:
+                    batch, metrics = sft.next_batch(step)
                 # train
-                if groups:
-                    batch = make_train_batch(groups, components.advantage, step, hooks)
+                if batch is not None:
                     metrics |= hooks.miles_train_step(step=step, batch=batch)
                 else:
                     metrics["train/skipped"] = 1.0
@@ -121,10 +155,11 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                     checkpoint = _save(run, backend, state, config.run.keep_checkpoints)
                     hooks.miles_on_checkpoint_saved(step=step, directory=checkpoint)
                 # update weights: the engines serve version step+1 from now on
-                stats = backend.update_weights(state.weight_version)
-                check_engine_versions(loop, engines, state.weight_version)
-                hooks.miles_on_weights_updated(version=state.weight_version, stats=stats)
-                metrics |= describe_update(stats) | components.buffer.metrics()
+                if rl:
+                    stats = backend.update_weights(state.weight_version)
+                    check_engine_versions(loop, engines, state.weight_version)
+                    hooks.miles_on_weights_updated(version=state.weight_version, stats=stats)
+                    metrics |= describe_update(stats) | components.buffer.metrics()
                 metrics["time/step_s"] = time.perf_counter() - t_step
                 hooks.miles_on_metrics(step=step, metrics=metrics)
             final_dir = None
@@ -162,9 +197,12 @@ def _save(run: RunDir, backend: object, state: LoopState, keep: int) -> str:
     return run.commit_checkpoint(staging, state.step, state, keep)
 
 
-async def _close_clients(engines: list) -> None:
-    for engine in engines:
-        await engine.aclose()
+async def _close_clients(objects: list) -> None:
+    """Close what holds network sessions: engine clients, remote rewards (anything with ``aclose``)."""
+    for obj in objects:
+        close = getattr(obj, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def _engine_clients(urls: list[str]) -> list:
@@ -173,12 +211,16 @@ def _engine_clients(urls: list[str]) -> list:
     return [SGLangClient(url) for url in urls]
 
 
+def _tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def _rollout_context(
     config: MilesConfig, model_path: str, engines: list, components, console
 ) -> RolloutContext:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = _tokenizer(model_path)
     r = config.rollout
     sampling = SamplingParams(
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
@@ -189,6 +231,7 @@ def _rollout_context(
         sampling=sampling,
         n_samples_per_prompt=r.n_samples_per_prompt,
         reward=components.reward,
+        reward_postprocess=list(components.reward_postprocess),
         options=dict(r.options),
         on_sample_done=console.sample_done if console is not None else None,
     )

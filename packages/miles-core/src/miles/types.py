@@ -51,6 +51,10 @@ class Sample:
     # For MoE models: per response token, per layer, the expert ids the engine routed to.
     routed_experts: list[list[list[int]]] | None = None
     reward: float | None = None
+    # Extra per-response-token signals, by name: a served teacher's ``teacher_logprobs`` or
+    # ``opd_reverse_kl`` (recorded at rollout time), and what the trainer's scoring pass adds
+    # before advantages (``ref_logprobs``, ``values``, in-process ``teacher_logprobs``).
+    token_scores: dict[str, list[float]] = field(default_factory=dict)
     status: Status = Status.PENDING
     finish_reason: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +75,12 @@ class Sample:
             if got != n:
                 raise ValueError(
                     f"sample of prompt {self.prompt.index}: {name} has {got} entries, response has {n}"
+                )
+        for name, values in self.token_scores.items():
+            if len(values) != n:
+                raise ValueError(
+                    f"sample of prompt {self.prompt.index}: token_scores[{name!r}] has {len(values)} entries, "
+                    f"response has {n}"
                 )
         if self.routed_experts is not None and len(self.routed_experts) != n:
             raise ValueError(
@@ -102,10 +112,14 @@ class TrainBatch:
     samples: list[Sample]
     advantages: list[list[float]]  # per sample, per response token
     step: int
+    # Value targets per sample, per response token: set when the estimator trains a critic (PPO).
+    returns: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         if len(self.samples) != len(self.advantages):
             raise ValueError("TrainBatch: one advantage row per sample is required")
+        if self.returns is not None and len(self.returns) != len(self.samples):
+            raise ValueError("TrainBatch: one returns row per sample is required")
 
     @property
     def num_loss_tokens(self) -> int:

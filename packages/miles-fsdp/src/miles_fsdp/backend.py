@@ -29,8 +29,8 @@ from pydantic import ValidationError
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import BackendSpec, TransportStats
-from miles.types import TrainBatch
-from miles_fsdp.batching import check_batch, split_batch
+from miles.types import Sample, TrainBatch
+from miles_fsdp.batching import check_batch, split_batch, split_for_scoring
 from miles_fsdp.config import FSDPOptions
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,7 @@ class FSDPBackend:
         if self._procs:
             raise RuntimeError("FSDPBackend.setup called twice; shut it down first")
         self.train_opts, self.opts = _validate_options(spec.options)
-        if not os.path.isfile(os.path.join(spec.model_path, "config.json")):
-            raise ModelError(
-                f"fsdp: model path {spec.model_path!r} is not a Hugging Face model directory (no config.json)"
-            )
+        _check_model_dir(spec.model_path, "model")
         if spec.temperature <= 0:
             raise ConfigError(
                 f"fsdp: the rollout temperature must be > 0 to compute log-probs, got {spec.temperature}"
@@ -109,6 +106,12 @@ class FSDPBackend:
 
         # Unknown names fail here, in one line, instead of as a traceback from every rank.
         validate_component_ref("loss", spec.loss)
+        if spec.critic is not None:
+            validate_component_ref("loss", spec.critic.loss)
+            _check_model_dir(spec.critic.model_path, "critic")
+        for path, role in ((spec.ref_model_path, "reference model"), (spec.teacher_model_path, "teacher")):
+            if path is not None:
+                _check_model_dir(path, role)
         if spec.correction:
             validate_component_ref("correction", spec.correction)
         if spec.engine_urls:
@@ -147,6 +150,21 @@ class FSDPBackend:
         shares = split_batch(batch, self.opts.num_ranks, self.train_opts.micro_batch_size)
         results = self._run("train_step", shares)
         return results[0]
+
+    def score(self, samples: list[Sample], names: list[str]) -> dict[str, list[list[float]]]:
+        """Forward-only passes of the frozen scorers / critic; rows come back in ``samples`` order."""
+        assert self.opts is not None and self.train_opts is not None
+        if not names or not samples:
+            return {name: [] for name in names}
+        shares, layout = split_for_scoring(samples, self.opts.num_ranks, self.train_opts.micro_batch_size)
+        results = self._run("score", [(share, list(names)) for share in shares])
+        out: dict[str, list[list[float]]] = {name: [[] for _ in samples] for name in names}
+        for rank_layout, rank_result in zip(layout, results, strict=True):
+            for mb_indices, mb_rows in zip(rank_layout, rank_result, strict=True):
+                for index, row in zip(mb_indices, mb_rows, strict=True):
+                    for name in names:
+                        out[name][index] = row[name]
+        return out
 
     def update_weights(self, version: int) -> TransportStats:
         results = self._run("update_weights", [version] * len(self._procs))
@@ -273,6 +291,11 @@ class FSDPBackend:
         self._broken = f"broken (rank {rank} failed during {what})"
         _kill_all(self._procs)
         raise RankFailedError(f"fsdp rank {rank} failed during {what}:\n{detail.rstrip()}")
+
+
+def _check_model_dir(path: str, role: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelError(f"fsdp: {role} path {path!r} is not a Hugging Face model directory (no config.json)")
 
 
 def _validate_options(options: dict[str, Any]) -> tuple[TrainSection, FSDPOptions]:

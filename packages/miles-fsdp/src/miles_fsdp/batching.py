@@ -9,11 +9,11 @@ passes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles.errors import ComponentError
-from miles.types import TrainBatch
+from miles.types import Sample, TrainBatch
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,8 @@ class Row:
     loss_mask: list[int]
     rollout_logprobs: list[float]
     advantages: list[float]
+    # Per-token extras by name (reference log-probs, the critic's old values, returns).
+    scores: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +43,7 @@ class RankBatch:
     micro_batches: list[list[Row]]
     num_loss_tokens: int  # over the whole global batch: the token-mean denominator
     step: int
+    num_samples: int = 0  # over the whole global batch: the per-sample-mean denominator
 
 
 def check_batch(batch: TrainBatch) -> None:
@@ -61,6 +64,10 @@ def check_batch(batch: TrainBatch) -> None:
             sample.check_aligned()
         except ValueError as exc:
             raise ComponentError(f"{where}: {exc}") from None
+        if batch.returns is not None and len(batch.returns[i]) != len(sample.response_ids):
+            raise ComponentError(
+                f"{where}: {len(batch.returns[i])} returns for {len(sample.response_ids)} response tokens"
+            )
         if len(adv) != len(sample.response_ids):
             raise ComponentError(
                 f"{where}: {len(adv)} advantages for {len(sample.response_ids)} response tokens; "
@@ -90,23 +97,54 @@ def plan(lengths: list[int], world_size: int, micro_batch_size: int) -> list[lis
     return out
 
 
+# Token scores the trainer reads during the step; everything else in token_scores stays on the driver.
+TRAIN_SCORES = ("ref_logprobs", "values")
+
+
+def sample_row(
+    sample: Sample, advantages: list[float] | None = None, scores: dict[str, list[float]] | None = None
+) -> Row:
+    return Row(
+        prompt_ids=list(sample.prompt_ids),
+        response_ids=list(sample.response_ids),
+        loss_mask=list(sample.loss_mask),
+        rollout_logprobs=list(sample.rollout_logprobs),
+        advantages=list(advantages) if advantages is not None else [0.0] * len(sample.response_ids),
+        scores=scores or {},
+    )
+
+
 def split_batch(batch: TrainBatch, world_size: int, micro_batch_size: int) -> list[RankBatch]:
-    rows = [
-        Row(
-            prompt_ids=list(s.prompt_ids),
-            response_ids=list(s.response_ids),
-            loss_mask=list(s.loss_mask),
-            rollout_logprobs=list(s.rollout_logprobs),
-            advantages=list(adv),
-        )
-        for s, adv in zip(batch.samples, batch.advantages, strict=True)
-    ]
+    rows = []
+    for i, (s, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
+        scores = {name: s.token_scores[name] for name in TRAIN_SCORES if name in s.token_scores}
+        if batch.returns is not None:
+            scores["returns"] = batch.returns[i]
+        rows.append(sample_row(s, adv, scores))
     layout = plan([r.num_tokens for r in rows], world_size, micro_batch_size)
     total = batch.num_loss_tokens
     return [
-        RankBatch(micro_batches=[[rows[i] for i in mb] for mb in mbs], num_loss_tokens=total, step=batch.step)
+        RankBatch(
+            micro_batches=[[rows[i] for i in mb] for mb in mbs],
+            num_loss_tokens=total,
+            step=batch.step,
+            num_samples=len(rows),
+        )
         for mbs in layout
     ]
+
+
+def split_for_scoring(
+    samples: list[Sample], world_size: int, micro_batch_size: int
+) -> tuple[list[RankBatch], list[list[list[int]]]]:
+    """Each rank's rows for a forward-only scoring pass, and the layout to put the answers back in order."""
+    rows = [sample_row(s) for s in samples]
+    layout = plan([r.num_tokens for r in rows], world_size, micro_batch_size)
+    shares = [
+        RankBatch(micro_batches=[[rows[i] for i in mb] for mb in mbs], num_loss_tokens=0, step=-1)
+        for mbs in layout
+    ]
+    return shares, layout
 
 
 @dataclass
@@ -122,6 +160,7 @@ class MicroBatchTensors:
     loss_mask: torch.Tensor  # [B, R] float
     num_tokens: int  # real (unpadded) tokens, prompt + response
     num_loss_tokens: int
+    scores: dict[str, torch.Tensor]  # [B, R] each, the rows' named per-token extras
 
 
 def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> MicroBatchTensors:
@@ -137,12 +176,22 @@ def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> Mic
     logit_rows: list[int] = []
     targets: list[int] = []
     slots: list[int] = []
+    names = sorted({name for r in rows for name in r.scores})
+    for name in names:
+        missing = [i for i, r in enumerate(rows) if name not in r.scores]
+        if missing:
+            raise ValueError(
+                f"collate: rows {missing} lack the per-token score {name!r} that other rows carry"
+            )
+    scores = {name: torch.zeros(b, resp_len, dtype=torch.float32) for name in names}
     for i, r in enumerate(rows):
         p, n = len(r.prompt_ids), len(r.response_ids)
         input_ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
         rollout[i, :n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
         adv[i, :n] = torch.tensor(r.advantages, dtype=torch.float32)
         mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.float32)
+        for name in names:
+            scores[name][i, :n] = torch.tensor(r.scores[name], dtype=torch.float32)
         # Response token j sits at position p + j and is predicted by the logits at p + j - 1.
         logit_rows.extend(i * seq_len + p - 1 + j for j in range(n))
         targets.extend(r.response_ids)
@@ -158,4 +207,5 @@ def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> Mic
         loss_mask=mask.to(device),
         num_tokens=sum(r.num_tokens for r in rows),
         num_loss_tokens=int(sum(sum(r.loss_mask) for r in rows)),
+        scores={name: t.to(device) for name, t in scores.items()},
     )

@@ -2,8 +2,9 @@
 
 Layout of a resumable checkpoint directory::
 
-    dcp/                   model + optimizer, sharded (torch.distributed.checkpoint); any rank count can load it
-    trainer_state.json     LR-scheduler state, optimizer steps taken, the rank count that wrote it
+    dcp/                   model + optimizer (and the critic's, with PPO), sharded (torch.distributed.checkpoint);
+                           any rank count can load it
+    trainer_state.json     LR-scheduler states, whether each optimizer has stepped, the rank count that wrote it
     rng/rank{r}.pt         each rank's RNG states (torch CPU, CUDA, python)
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,26 +48,40 @@ TOKENIZER_FILES = (
 )
 
 
-def save(
-    directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, extra: dict[str, Any]
-) -> None:
+@dataclass
+class Trainable:
+    """A model with its optimizer and LR schedule, saved and restored together under ``name``."""
+
+    name: str  # "model" for the policy (its DCP keys are "model" and "optim"), "critic" for PPO's critic
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+    @property
+    def keys(self) -> tuple[str, str]:
+        return (self.name, "optim") if self.name == "model" else (self.name, f"{self.name}_optim")
+
+
+def save(directory: str, parts: list[Trainable], extra: dict[str, Any]) -> None:
     rank = dist.get_rank()
-    # get_state_dict materialises Adam's state with a zero-lr step when none exists yet; remember
-    # that, so a checkpoint taken before the first step resumes with no state, as a fresh run would.
-    optimizer_started = bool(optimizer.state)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(directory, "dcp"))
-    if not optimizer_started:
-        optimizer.state.clear()
+    to_save: dict[str, Any] = {}
+    state: dict[str, Any] = {"world_size": dist.get_world_size(), **extra}
+    started: dict[str, bool] = {}
+    for part in parts:
+        # get_state_dict materialises Adam's state with a zero-lr step when none exists yet; remember
+        # that, so a checkpoint taken before the first step resumes with no state, as a fresh run would.
+        started[part.name] = bool(part.optimizer.state)
+        model_key, optim_key = part.keys
+        to_save[model_key], to_save[optim_key] = get_state_dict(part.model, part.optimizer)
+        state[_scheduler_key(part)] = part.scheduler.state_dict()
+    dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"))
+    for part in parts:
+        if not started[part.name]:
+            part.optimizer.state.clear()
+    state["optimizer_started"] = started
     os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(directory, "rng", f"rank{rank}.pt"))
     if rank == 0:
-        state = {
-            "scheduler": scheduler.state_dict(),
-            "world_size": dist.get_world_size(),
-            "optimizer_started": optimizer_started,
-            **extra,
-        }
         tmp = os.path.join(directory, STATE_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(state, f, indent=2)
@@ -74,27 +90,45 @@ def save(
     dist.barrier()
 
 
-def load(
-    directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
-) -> dict[str, Any]:
+def load(directory: str, parts: list[Trainable]) -> dict[str, Any]:
     state_path = os.path.join(directory, STATE_FILE)
     if not os.path.isfile(state_path):
         raise FileNotFoundError(f"{directory} is not an FSDP checkpoint: {STATE_FILE} is missing")
     with open(state_path) as f:
         state = json.load(f)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    to_load = {"model": model_sd, "optim": optim_sd}
+    missing = [part.name for part in parts if _scheduler_key(part) not in state]
+    if missing:
+        raise ModelError(
+            f"checkpoint {directory} has no state for {missing} (it was written by a run without them, "
+            "e.g. without a critic); resume with the same algorithm"
+        )
+    to_load: dict[str, Any] = {}
+    for part in parts:
+        model_key, optim_key = part.keys
+        to_load[model_key], to_load[optim_key] = get_state_dict(part.model, part.optimizer)
     dcp.load(to_load, checkpoint_id=os.path.join(directory, "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
-    if not state.get("optimizer_started", True):
-        optimizer.state.clear()
-    scheduler.load_state_dict(state["scheduler"])
+    started = state.get("optimizer_started", {})
+    for part in parts:
+        model_key, optim_key = part.keys
+        set_state_dict(
+            part.model,
+            part.optimizer,
+            model_state_dict=to_load[model_key],
+            optim_state_dict=to_load[optim_key],
+        )
+        if not started.get(part.name, True):
+            part.optimizer.state.clear()
+        part.scheduler.load_state_dict(state[_scheduler_key(part)])
     rng_path = os.path.join(directory, "rng", f"rank{dist.get_rank()}.pt")
     # RNG streams are per rank; with a different rank count they cannot be matched, so keep fresh ones.
     if state.get("world_size") == dist.get_world_size() and os.path.isfile(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=True))
     dist.barrier()
     return state
+
+
+def _scheduler_key(part: Trainable) -> str:
+    return "scheduler" if part.name == "model" else f"{part.name}_scheduler"
 
 
 def _rng_state() -> dict[str, Any]:

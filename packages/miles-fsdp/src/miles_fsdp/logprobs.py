@@ -5,6 +5,9 @@ logits (and autograd would keep it, plus the scaled copy, for backward). Here on
 the rows that predict a response token are read, a chunk at a time, in float32;
 backward recomputes the softmax of each chunk from the saved logits, so the extra
 memory is one chunk plus the gradient of the logits that the model needs anyway.
+
+Both outputs are differentiable: the entropy's gradient (for an entropy bonus) is
+``dH/dx_j = -p_j (log p_j + H)``, folded into the same chunked backward pass.
 """
 
 from __future__ import annotations
@@ -39,15 +42,16 @@ class _TokenLogProbs(torch.autograd.Function):
             # H = lse - sum(p * x); the metric is a by-product of the softmax we already pay for.
             probs = torch.exp(x - chunk_lse[:, None])
             entropy[start:end] = chunk_lse - (probs * x).sum(dim=-1)
-        ctx.save_for_backward(logits, rows, targets, lse)
+        ctx.save_for_backward(logits, rows, targets, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk = chunk
-        ctx.mark_non_differentiable(entropy)
+        # An output the loss does not use gets None in backward, not zeros: no entropy work unless asked.
+        ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logprobs: torch.Tensor, _grad_entropy: torch.Tensor | None) -> tuple:
-        logits, rows, targets, lse = ctx.saved_tensors
+    def backward(ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple:
+        logits, rows, targets, lse, entropy = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk
         grad_logits = torch.zeros_like(logits)
         n = rows.numel()
@@ -56,10 +60,18 @@ class _TokenLogProbs(torch.autograd.Function):
             x = logits.index_select(0, rows[start:end]).float()
             if temperature != 1.0:
                 x.div_(temperature)
-            g_out = grad_logprobs[start:end, None].float()
-            # d/dx [x_t - lse(x)] = onehot(t) - softmax(x); the chain through x = logits / T adds 1/T.
-            grad = torch.exp(x - lse[start:end, None]).mul_(-g_out)
-            grad.scatter_add_(1, targets[start:end, None], g_out)
+            log_p = x.sub_(lse[start:end, None])
+            probs = torch.exp(log_p)
+            if grad_logprobs is not None:
+                # d/dx [x_t - lse(x)] = onehot(t) - softmax(x); the chain through x = logits / T adds 1/T.
+                g_out = grad_logprobs[start:end, None].float()
+                grad = probs * -g_out
+                grad.scatter_add_(1, targets[start:end, None], g_out)
+            else:
+                grad = torch.zeros_like(x)
+            if grad_entropy is not None:
+                g_ent = grad_entropy[start:end, None].float()
+                grad.sub_(probs * (log_p + entropy[start:end, None]) * g_ent)
             if temperature != 1.0:
                 grad.div_(temperature)
             # Rows are distinct positions, so a plain indexed copy is exact.
@@ -78,8 +90,8 @@ def token_logprobs(
     """Log-probability of ``targets`` under ``softmax(logits[rows] / temperature)``, and its entropy.
 
     ``logits`` is ``[positions, vocab]`` (any float dtype); ``rows`` and ``targets`` are
-    ``[n]`` (distinct row indices, token ids). Returns two float32 ``[n]`` tensors:
-    log-probs (differentiable w.r.t. ``logits``) and entropies (no gradient).
+    ``[n]`` (distinct row indices, token ids). Returns two float32 ``[n]`` tensors, both
+    differentiable w.r.t. ``logits``: the log-probs and the entropies of those rows.
     """
     if logits.dim() != 2:
         raise ValueError(

@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.config.schema import TrainSection
-from miles.errors import ComponentError, ModelError
+from miles.errors import ComponentError
 from miles.interfaces import (
+    REF_LOGPROBS,
+    TEACHER_LOGPROBS,
+    VALUES,
     BackendSpec,
     Correction,
     CorrectionOutput,
@@ -33,23 +35,20 @@ from miles_fsdp import checkpoint
 from miles_fsdp.batching import MicroBatchTensors, RankBatch, collate
 from miles_fsdp.config import FSDPOptions
 from miles_fsdp.logprobs import token_logprobs
+from miles_fsdp.models import (
+    DTYPES,
+    freeze,
+    load_causal_lm,
+    load_config,
+    load_value_model,
+    shard,
+    source_dtype,
+)
 from miles_fsdp.weights import iter_full_tensors
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: HF marks them in ``_no_split_modules``."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        for mod in model.modules():
-            if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-                layers = list(mod)
-                break
-    return layers
+LOSS_KINDS = ("policy", "supervised")
 
 
 class RankTrainer:
@@ -66,75 +65,80 @@ class RankTrainer:
             self.device = torch.device("cpu")
         # Distinct streams per rank (dropout masks must not repeat across data-parallel shards).
         torch.manual_seed(spec.seed + rank)
-        self.model = self._build_model()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.train_opts.lr,
-            betas=tuple(self.train_opts.betas),
-            eps=self.train_opts.eps,
-            weight_decay=self.train_opts.weight_decay,
-        )
-        warmup = self.train_opts.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
-        self.loss_fn, self.correction_fn, self.hooks = self._resolve_components()
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+
+        config = load_config(spec.model_path, "policy")
+        self.source_dtype = source_dtype(config)
+        self.source_use_cache = getattr(config, "use_cache", True)
+        policy = load_causal_lm(spec.model_path, self.opts, "policy")
+        if self.opts.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = shard(policy, self.mesh, self.opts, "policy")
+        self.optimizer, self.scheduler = self._optimizer(self.model, self.train_opts.lr)
+        self.parts = [checkpoint.Trainable("model", self.model, self.optimizer, self.scheduler)]
+
+        # Frozen scorers, built only when the objective reads what they compute.
+        self.scorers: dict[str, nn.Module] = {}
+        if REF_LOGPROBS in spec.scores:
+            path = spec.ref_model_path or spec.model_path
+            self.scorers[REF_LOGPROBS] = freeze(
+                shard(load_causal_lm(path, self.opts, "reference"), self.mesh, self.opts, "reference")
+            )
+        if TEACHER_LOGPROBS in spec.scores:
+            if not spec.teacher_model_path:
+                raise ComponentError(
+                    "fsdp: teacher_logprobs requested but the spec names no teacher_model_path"
+                )
+            teacher = load_causal_lm(spec.teacher_model_path, self.opts, "teacher")
+            self.scorers[TEACHER_LOGPROBS] = freeze(shard(teacher, self.mesh, self.opts, "teacher"))
+
+        self.critic = None
+        if spec.critic is not None:
+            self.critic = shard(
+                load_value_model(spec.critic.model_path, self.opts), self.mesh, self.opts, "critic"
+            )
+            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic, spec.critic.lr)
+            self.parts.append(
+                checkpoint.Trainable("critic", self.critic, self.critic_optimizer, self.critic_scheduler)
+            )
+        elif VALUES in spec.scores:
+            raise ComponentError("fsdp: values requested but the spec has no critic")
+
+        self.loss_fn, self.correction_fn, self.value_loss_fn, self.hooks = self._resolve_components()
         self.transport = self._connect_transport()
 
     # ------------------------------------------------------------------ build
 
-    def _build_model(self) -> nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        path = self.spec.model_path
-        try:
-            config = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"fsdp: cannot load a Hugging Face config from {path!r}: {exc}") from exc
-        # The checkpoint's own dtype, remembered before loading in float32 rewrites it.
-        self.source_dtype = getattr(config, "dtype", None) or torch.float32
-        if isinstance(self.source_dtype, str):
-            self.source_dtype = _DTYPES.get(self.source_dtype, torch.float32)
-        kwargs: dict[str, Any] = {"dtype": torch.float32}
-        if self.opts.attn_implementation:
-            kwargs["attn_implementation"] = self.opts.attn_implementation
-        # Master weights stay float32; param_dtype only changes the gathered compute copies.
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        # Training never decodes; the exported config gets the checkpoint's own setting back.
-        self.source_use_cache = getattr(model.config, "use_cache", True)
-        model.config.use_cache = False
-        if self.opts.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        layers = decoder_layers(model)
-        if not layers:
-            raise ModelError(
-                f"fsdp: found no decoder layers to shard in {type(model).__name__} from {path!r}"
-            )
-
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy(
-            param_dtype=_DTYPES[self.opts.param_dtype] if self.opts.param_dtype else None,
-            reduce_dtype=_DTYPES[self.opts.reduce_dtype] if self.opts.reduce_dtype else None,
+    def _optimizer(self, model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, Any]:
+        opts = self.train_opts
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=tuple(opts.betas), eps=opts.eps, weight_decay=opts.weight_decay
         )
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=self.opts.reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=self.opts.reshard_after_forward)
-        # The loss is already divided by the global token count, so ranks' gradients must be
-        # summed, not averaged: a plain SUM reduce-scatter with no division.
-        for mod in model.modules():
-            if isinstance(mod, FSDPModule):
-                mod.set_force_sum_reduction_for_comms(True)
-                mod.set_gradient_divide_factor(1.0)
-        return model
+        warmup = opts.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        )
+        return optimizer, scheduler
 
-    def _resolve_components(self) -> tuple[Loss, Correction | None, Any]:
+    def _resolve_components(self) -> tuple[Loss, Correction | None, Loss | None, Any]:
         from miles.plugins import get_plugin_manager, make_component
 
         loss = make_component("loss", self.spec.loss, self.spec.loss_options)
+        kind = getattr(loss, "kind", "policy")
+        if kind not in LOSS_KINDS:
+            raise ComponentError(
+                f"loss {self.spec.loss!r} has kind {kind!r}; the policy trains with a loss of kind "
+                f"{' or '.join(LOSS_KINDS)} (value losses belong to algorithm.critic.loss)"
+            )
         correction = None
         if self.spec.correction:
             correction = make_component("correction", self.spec.correction, self.spec.correction_options)
-        return loss, correction, get_plugin_manager().hook
+        value_loss = None
+        if self.spec.critic is not None:
+            value_loss = make_component("loss", self.spec.critic.loss, self.spec.critic.loss_options)
+            if getattr(value_loss, "kind", "policy") != "value":
+                raise ComponentError(f"algorithm.critic.loss {self.spec.critic.loss!r} is not a value loss")
+        return loss, correction, value_loss, get_plugin_manager().hook
 
     def _connect_transport(self) -> Any:
         if not self.spec.engine_urls:
@@ -149,6 +153,44 @@ class RankTrainer:
         )
         return transport
 
+    # ---------------------------------------------------------------- scoring
+
+    def score(self, args: tuple[RankBatch, list[str]]) -> list[list[dict[str, list[float]]]]:
+        """Forward-only passes: per micro-batch, per row, the named per-token signals."""
+        batch, names = args
+        unknown = [
+            n for n in names if n not in self.scorers and not (n == VALUES and self.critic is not None)
+        ]
+        if unknown:
+            raise ComponentError(
+                f"fsdp: cannot score {unknown}; this trainer was built for {self.spec.scores}"
+            )
+        out: list[list[dict[str, list[float]]]] = []
+        with torch.no_grad():
+            for rows in batch.micro_batches:
+                if not rows:
+                    for name in names:
+                        self._idle_forward(self._scoring_model(name))
+                    out.append([])
+                    continue
+                mb = collate(rows, self.device)
+                per_name = {name: self._score_tensor(name, mb) for name in names}
+                lengths = [len(r.response_ids) for r in rows]
+                out.append(
+                    [{name: t[i, :n].tolist() for name, t in per_name.items()} for i, n in enumerate(lengths)]
+                )
+        return out
+
+    def _scoring_model(self, name: str) -> nn.Module:
+        return self.critic if name == VALUES else self.scorers[name]
+
+    def _score_tensor(self, name: str, mb: MicroBatchTensors) -> torch.Tensor:
+        if name == VALUES:
+            return self._values(mb)
+        model = self.scorers[name]
+        logprobs, _ = self._response_logprobs(model, mb)
+        return logprobs
+
     # ------------------------------------------------------------------- step
 
     def train_step(self, batch: RankBatch) -> dict[str, float]:
@@ -156,44 +198,39 @@ class RankTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch metrics
-        weights: dict[str, float] = {}
+        acc = _MetricSums()
         loss_total = 0.0
         entropy_sum = 0.0
         tokens = 0
         for rows in batch.micro_batches:
             if not rows:
-                self._idle_pass()
+                self._idle_pass(self.model)
                 continue
             mb = collate(rows, self.device)
-            loss_value, entropy, metrics = self._micro_step(mb, batch.num_loss_tokens)
+            loss_value, entropy, metrics = self._micro_step(mb, batch)
             loss_total += loss_value
             entropy_sum += entropy
             tokens += mb.num_tokens
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * mb.num_loss_tokens
-                weights[key] = weights.get(key, 0.0) + mb.num_loss_tokens
-
-        grad_norm = self._clip_grads()
+            acc.add(metrics, mb.num_loss_tokens)
+        grad_norm = self._clip_grads(self.model)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            critic_metrics = self._critic_step(batch, acc)
+
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (sums, weights, loss_total, entropy_sum, tokens))
+        dist.all_gather_object(gathered, (acc.sums, acc.weights, loss_total, entropy_sum, tokens))
         elapsed = time.perf_counter() - t0
-        all_sums: dict[str, float] = {}
-        all_weights: dict[str, float] = {}
-        for s, w, *_ in gathered:
-            for key in s:
-                all_sums[key] = all_sums.get(key, 0.0) + s[key]
-                all_weights[key] = all_weights.get(key, 0.0) + w[key]
+        out = _MetricSums.combine([(g[0], g[1]) for g in gathered])
         total_tokens = sum(g[4] for g in gathered)
-        out = {key: all_sums[key] / all_weights[key] for key in all_sums if all_weights[key] > 0}
+        out.update(critic_metrics)
         out.update(
             {
                 "train/loss": sum(g[2] for g in gathered),
-                "train/entropy": sum(g[3] for g in gathered) / batch.num_loss_tokens,
+                "train/entropy": sum(g[3] for g in gathered) / max(batch.num_loss_tokens, 1),
                 "train/grad_norm": grad_norm,
                 "train/lr": lr,
                 "train/num_loss_tokens": float(batch.num_loss_tokens),
@@ -203,12 +240,90 @@ class RankTrainer:
         )
         return out
 
-    def _micro_step(
-        self, mb: MicroBatchTensors, num_loss_tokens: int
-    ) -> tuple[float, float, dict[str, float]]:
-        logits = self.model(input_ids=mb.input_ids).logits
+    def _micro_step(self, mb: MicroBatchTensors, batch: RankBatch) -> tuple[float, float, dict[str, float]]:
+        kind = getattr(self.loss_fn, "kind", "policy")
+        requires = frozenset(getattr(self.loss_fn, "requires", ()))
+        logprobs, entropy = self._response_logprobs(self.model, mb)
+        metrics: dict[str, float] = {}
+        inputs = LossInputs(
+            loss_mask=mb.loss_mask,
+            logprobs=logprobs,
+            num_loss_tokens=batch.num_loss_tokens,
+            num_samples=batch.num_samples,
+            entropy=entropy if "entropy" in requires else None,
+        )
+        if kind == "policy":
+            # One optimizer step per rollout: at the start of this step the policy that produced
+            # the "old" log-probs is the current one, so they are the current values, detached.
+            inputs.old_logprobs = logprobs.detach()
+            inputs.rollout_logprobs = mb.rollout_logprobs
+            inputs.advantages = mb.advantages
+            if REF_LOGPROBS in requires:
+                inputs.ref_logprobs = _score(mb, REF_LOGPROBS, self.spec.loss)
+            if self.correction_fn is not None:
+                corr = self.correction_fn(inputs.old_logprobs, mb.rollout_logprobs, mb.loss_mask)
+                if not isinstance(corr, CorrectionOutput):
+                    raise ComponentError(
+                        f"correction {self.spec.correction!r} returned {type(corr).__name__}, expected CorrectionOutput"
+                    )
+                self.hooks.miles_correction_postprocess(output=corr, loss_mask=mb.loss_mask)
+                inputs.correction_weights = corr.weights.detach()
+                metrics.update({_prefixed("correction/", k): float(v) for k, v in corr.metrics.items()})
+
+        out = self._call_loss(self.loss_fn, self.spec.loss, inputs)
+        out.loss.backward()
+        metrics.update({_prefixed("loss/", k): float(v) for k, v in out.metrics.items()})
+        ent = float((entropy.detach() * mb.loss_mask).sum())
+        return float(out.loss.detach()), ent, metrics
+
+    def _critic_step(self, batch: RankBatch, acc: _MetricSums) -> dict[str, float]:
+        assert self.critic is not None and self.value_loss_fn is not None and self.spec.critic is not None
+        self.critic.train()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        lr = self.critic_scheduler.get_last_lr()[0]
+        for rows in batch.micro_batches:
+            if not rows:
+                self._idle_pass(self.critic)
+                continue
+            mb = collate(rows, self.device)
+            inputs = LossInputs(
+                loss_mask=mb.loss_mask,
+                values=self._values(mb),
+                old_values=_score(mb, VALUES, self.spec.critic.loss),
+                returns=_score(mb, "returns", self.spec.critic.loss),
+                num_loss_tokens=batch.num_loss_tokens,
+                num_samples=batch.num_samples,
+            )
+            out = self._call_loss(self.value_loss_fn, self.spec.critic.loss, inputs, grad_of="values")
+            out.loss.backward()
+            acc.add({_prefixed("critic/", k): float(v) for k, v in out.metrics.items()}, mb.num_loss_tokens)
+        grad_norm = self._clip_grads(self.critic)
+        self.critic_optimizer.step()
+        self.critic_scheduler.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        return {"critic/grad_norm": grad_norm, "critic/lr": lr}
+
+    def _call_loss(self, fn: Loss, name: str, inputs: LossInputs, grad_of: str = "logprobs") -> LossOutput:
+        out = fn(inputs)
+        if not isinstance(out, LossOutput):
+            raise ComponentError(f"loss {name!r} returned {type(out).__name__}, expected LossOutput")
+        for replaced in self.hooks.miles_loss_postprocess(output=out, inputs=inputs):
+            if replaced is not None:
+                out = replaced
+        loss = out.loss
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            raise ComponentError(
+                f"loss {name!r} must return a scalar tensor that depends on inputs.{grad_of} "
+                f"(got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))})"
+            )
+        return out
+
+    def _response_logprobs(
+        self, model: nn.Module, mb: MicroBatchTensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the response tokens and the entropy at their positions, as [B, R] grids."""
+        logits = model(input_ids=mb.input_ids).logits
         b, seq_len, vocab = logits.shape
-        resp_len = mb.loss_mask.shape[1]
         lp_rows, ent_rows = token_logprobs(
             logits.reshape(b * seq_len, vocab),
             mb.rows,
@@ -216,62 +331,31 @@ class RankTrainer:
             temperature=self.spec.temperature,
             chunk=self.opts.logprob_chunk_tokens,
         )
-        logprobs = torch.zeros(b * resp_len, dtype=torch.float32, device=self.device)
-        logprobs = logprobs.index_put((mb.slots,), lp_rows).view(b, resp_len)
-        entropy = torch.zeros(b * resp_len, dtype=torch.float32, device=self.device)
-        entropy = entropy.index_put((mb.slots,), ent_rows).view(b, resp_len)
-        # One optimizer step per rollout: at the start of this step the policy that produced
-        # the "old" log-probs is the current one, so they are the current values, detached.
-        old_logprobs = logprobs.detach()
+        return self._to_grid(lp_rows, mb), self._to_grid(ent_rows, mb)
 
-        metrics: dict[str, float] = {}
-        correction_weights = None
-        if self.correction_fn is not None:
-            corr = self.correction_fn(old_logprobs, mb.rollout_logprobs, mb.loss_mask)
-            if not isinstance(corr, CorrectionOutput):
-                raise ComponentError(
-                    f"correction {self.spec.correction!r} returned {type(corr).__name__}, expected CorrectionOutput"
-                )
-            self.hooks.miles_correction_postprocess(output=corr, loss_mask=mb.loss_mask)
-            correction_weights = corr.weights.detach()
-            metrics.update({_prefixed("correction/", k): float(v) for k, v in corr.metrics.items()})
+    def _values(self, mb: MicroBatchTensors) -> torch.Tensor:
+        """The critic's value of the state before each response token (read where its logits would be)."""
+        assert self.critic is not None
+        values = self.critic(mb.input_ids)
+        return self._to_grid(values.reshape(-1).index_select(0, mb.rows), mb)
 
-        inputs = LossInputs(
-            logprobs=logprobs,
-            old_logprobs=old_logprobs,
-            rollout_logprobs=mb.rollout_logprobs,
-            advantages=mb.advantages,
-            loss_mask=mb.loss_mask,
-            correction_weights=correction_weights,
-            num_loss_tokens=num_loss_tokens,
-        )
-        out = self.loss_fn(inputs)
-        if not isinstance(out, LossOutput):
-            raise ComponentError(
-                f"loss {self.spec.loss!r} returned {type(out).__name__}, expected LossOutput"
-            )
-        for replaced in self.hooks.miles_loss_postprocess(output=out, inputs=inputs):
-            if replaced is not None:
-                out = replaced
-        loss = out.loss
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-            raise ComponentError(
-                f"loss {self.spec.loss!r} must return a scalar tensor that depends on inputs.logprobs "
-                f"(got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))})"
-            )
-        loss.backward()
-        metrics.update({_prefixed("loss/", k): float(v) for k, v in out.metrics.items()})
-        ent = float((entropy * mb.loss_mask).sum())
-        return float(loss.detach()), ent, metrics
+    def _to_grid(self, flat: torch.Tensor, mb: MicroBatchTensors) -> torch.Tensor:
+        b, resp_len = mb.loss_mask.shape
+        grid = torch.zeros(b * resp_len, dtype=torch.float32, device=self.device)
+        return grid.index_put((mb.slots,), flat.float()).view(b, resp_len)
 
-    def _idle_pass(self) -> None:
+    def _idle_pass(self, model: nn.Module) -> None:
         """A zero-weight forward/backward so this rank joins the FSDP collectives of a pass it has no rows for."""
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids).logits
-        (logits.sum() * 0.0).backward()
+        out = self._idle_forward(model)
+        (out.sum() * 0.0).backward()
 
-    def _clip_grads(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _idle_forward(self, model: nn.Module) -> torch.Tensor:
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        out = model(input_ids=ids)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+    def _clip_grads(self, model: nn.Module) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
         if self.train_opts.grad_clip is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         else:
@@ -293,16 +377,14 @@ class RankTrainer:
 
     def save_checkpoint(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
-        checkpoint.save(
-            directory, self.model, self.optimizer, self.scheduler, {"step": self.scheduler.last_epoch}
-        )
+        checkpoint.save(directory, self.parts, {"step": self.scheduler.last_epoch})
 
     def load_checkpoint(self, directory: str) -> None:
-        checkpoint.load(directory, self.model, self.optimizer, self.scheduler)
+        checkpoint.load(directory, self.parts)
 
     def export_hf(self, directory: str) -> None:
         name = self.opts.export_dtype
-        dtype = self.source_dtype if name == "auto" else _DTYPES[name]
+        dtype = self.source_dtype if name == "auto" else DTYPES[name]
         checkpoint.export_hf(
             directory, self.model, self.spec.model_path, dtype, {"use_cache": self.source_use_cache}
         )
@@ -311,6 +393,38 @@ class RankTrainer:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+class _MetricSums:
+    """Loss-token-weighted sums of per-micro-batch metrics (means are combined across micro-batches and ranks)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+            self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    @staticmethod
+    def combine(parts: list[tuple[dict[str, float], dict[str, float]]]) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for s, w in parts:
+            for key in s:
+                sums[key] = sums.get(key, 0.0) + s[key]
+                weights[key] = weights.get(key, 0.0) + w[key]
+        return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
+
+
+def _score(mb: MicroBatchTensors, name: str, who: str) -> torch.Tensor:
+    if name not in mb.scores:
+        raise ComponentError(
+            f"{who!r} needs the per-token {name!r}, but the train batch does not carry it "
+            "(the driver computes it in the scoring pass before advantages)"
+        )
+    return mb.scores[name]
 
 
 def _prefixed(prefix: str, key: str) -> str:

@@ -72,7 +72,9 @@ def rank_main(
                 dist.destroy_process_group()
 
 
-COMMANDS = frozenset({"train_step", "update_weights", "save_checkpoint", "load_checkpoint", "export_hf"})
+COMMANDS = frozenset(
+    {"train_step", "score", "update_weights", "save_checkpoint", "load_checkpoint", "export_hf"}
+)
 
 
 def _serve(conn: Connection, trainer: Any) -> None:

@@ -30,6 +30,7 @@ KIND_GROUPS: dict[str, str] = {
     "rollout": "miles.rollouts",
     "generate": "miles.generates",
     "reward": "miles.rewards",
+    "reward_postprocess": "miles.reward_postprocessors",
     "filter": "miles.filters",
     "data_source": "miles.data_sources",
     "engine": "miles.engines",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles.types import Group
+from miles.types import Group, Status
 
 # Rewards closer than this count as equal: float noise must not pass for a learning signal.
 REWARD_TOLERANCE = 1e-8
@@ -12,3 +12,15 @@ def nonzero_std(group: Group) -> bool:
     """Keep groups whose rewards are not all equal; an all-equal group has zero GRPO advantage everywhere."""
     rewards = group.rewards
     return len(rewards) > 1 and max(rewards) - min(rewards) > REWARD_TOLERANCE
+
+
+def no_aborted(group: Group) -> bool:
+    """Keep groups in which no sample was ABORTED.
+
+    An aborted trajectory (the engine gave up on it, e.g. during a weight update) has no
+    reward, and a group-relative advantage over the remaining samples would use a partial
+    group. The built-in rollout stage already sets such groups aside before the filters
+    (and hands their prompts back to the data source); this filter states the rule for
+    rollout stages and buffers that do not.
+    """
+    return all(sample.status is not Status.ABORTED for sample in group.samples)

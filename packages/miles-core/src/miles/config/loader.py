@@ -121,10 +121,15 @@ def component_refs(config: MilesConfig) -> list[tuple[str, str, str]]:
         ("rollout.generate_fn", "generate", config.rollout.generate_fn),
         ("rollout.reward", "reward", config.rollout.reward),
         *((f"rollout.filters[{i}]", "filter", name) for i, name in enumerate(config.rollout.filters)),
+        *(
+            (f"rollout.reward_postprocess[{i}]", "reward_postprocess", name)
+            for i, name in enumerate(config.rollout.reward_postprocess)
+        ),
         ("rollout.buffer", "buffer", config.rollout.buffer),
         ("algorithm.advantage", "advantage", config.algorithm.advantage),
         ("algorithm.loss", "loss", config.algorithm.loss),
         ("algorithm.correction", "correction", config.algorithm.correction),
+        ("algorithm.critic.loss", "loss", config.algorithm.critic.loss if config.algorithm.critic else None),
         ("data.source", "data_source", config.data.source),
         ("engine.launcher", "engine", config.engine.launcher),
     ]

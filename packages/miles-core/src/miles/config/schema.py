@@ -75,7 +75,24 @@ class RolloutSection(Section):
         1, ge=1, description="rollout rounds per step to refill groups the filters dropped (dynamic sampling)"
     )
     buffer: str = Field("fifo", description="buffer name or import path")
+    reward_postprocess: list[str] = Field(
+        default_factory=list,
+        description="reward post-processors applied in order to each sample's reward (e.g. overlong_penalty)",
+    )
+    reward_postprocess_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="options per post-processor, keyed by the name used above"
+    )
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _options_name_postprocessors(self) -> RolloutSection:
+        unknown = sorted(set(self.reward_postprocess_options) - set(self.reward_postprocess))
+        if unknown:
+            raise ValueError(
+                f"rollout.reward_postprocess_options has options for {unknown}, which are not in "
+                f"rollout.reward_postprocess {self.reward_postprocess}"
+            )
+        return self
 
 
 class EngineSection(Section):
@@ -93,13 +110,102 @@ class EngineSection(Section):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class CriticSection(Section):
+    """The value model of PPO; it trains on the same backend as the policy."""
+
+    model: str | None = Field(
+        None, description="initial critic weights (default: model.path), value head new"
+    )
+    lr: float = Field(1e-5, gt=0)
+    loss: str = Field("value_clip", description="value loss name or import path")
+    loss_options: dict[str, Any] = Field(default_factory=dict)
+
+
 class AlgorithmSection(Section):
     advantage: str = "grpo"
     advantage_options: dict[str, Any] = Field(default_factory=dict)
-    loss: str = "ppo_clip"
+    loss: str | None = Field(
+        None,
+        description="loss name or import path; default: the advantage estimator's own (ppo_clip, gspo, sft)",
+    )
     loss_options: dict[str, Any] = Field(default_factory=dict)
     correction: str | None = Field("tis", description="train/rollout mismatch correction, or null")
     correction_options: dict[str, Any] = Field(default_factory=dict)
+    ref_model: str | None = Field(
+        None, description="frozen reference policy for KL penalties (default: the initial policy, model.path)"
+    )
+    critic: CriticSection | None = Field(
+        None, description="critic settings (estimators that need values: ppo)"
+    )
+
+
+class TeacherSection(Section):
+    """One served teacher: a running engine to attach to, or a model this run serves itself."""
+
+    url: str | None = Field(None, description="base URL of a running SGLang or embedded engine")
+    model: str | None = Field(
+        None, description="launch an embedded engine for this model (path or builtin:NAME)"
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TeacherSection:
+        if (self.url is None) == (self.model is None):
+            raise ValueError("a teacher needs exactly one of url (attach) or model (launch)")
+        return self
+
+
+class DistillationSection(Section):
+    """On-policy distillation: a teacher's per-token reverse-KL estimate is folded into the advantages."""
+
+    teacher: Literal["served", "trainer"] = Field(
+        "served", description="served: engines score each finished trajectory; trainer: an in-process model"
+    )
+    coef: float = Field(1.0, ge=0, description="scale of the reverse-KL term subtracted from advantages")
+    task_reward: Literal["keep", "zero"] = Field(
+        "keep", description="zero: train on the teacher signal alone (the task reward is still logged)"
+    )
+    teachers: dict[str, TeacherSection] = Field(
+        default_factory=dict,
+        description="served teachers by name; a prompt picks one by metadata[route_key], else 'default'",
+    )
+    route_key: str = Field("teacher", description="prompt metadata key naming the served teacher")
+    model: str | None = Field(None, description="the in-process teacher's checkpoint (teacher: trainer)")
+    top_k: int = Field(0, ge=0, description="0: sampled-token estimate; K > 0: weighted over a top-K set")
+    top_k_candidates: Literal["student", "intersection"] = Field(
+        "student",
+        description="the candidate set: the student's top K, or its intersection with the teacher's",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistillationSection:
+        if self.teacher == "served":
+            if not self.teachers:
+                raise ValueError(
+                    "distillation.teacher 'served' needs at least one entry in distillation.teachers"
+                )
+            if self.model is not None:
+                raise ValueError(
+                    "distillation.model is the in-process teacher; with teacher 'served' use teachers"
+                )
+        else:
+            if self.model is None:
+                raise ValueError(
+                    "distillation.teacher 'trainer' needs distillation.model (the teacher checkpoint)"
+                )
+            if self.teachers:
+                raise ValueError(
+                    "distillation.teachers are served teachers; with teacher 'trainer' use model"
+                )
+            if self.top_k:
+                raise ValueError("distillation.top_k needs served teachers (teacher: served)")
+        return self
+
+
+class SFTSection(Section):
+    """Supervised fine-tuning (``mode: sft``): chat data, loss on assistant tokens only."""
+
+    batch_size: int = Field(32, ge=1, description="conversations per training step")
+    max_length: int = Field(2048, ge=2, description="conversations longer than this (tokens) are truncated")
 
 
 class TrainSection(Section):
@@ -128,6 +234,7 @@ class MilesConfig(Section):
     """A whole recipe. Plugin sections are added to a subclass built at start-up."""
 
     recipe: str = Field("", description="set by the loader: where this config came from")
+    mode: Literal["rl", "sft"] = Field("rl", description="rl: rollouts and rewards; sft: no engines")
     backend: str = Field("fsdp", description="training backend name or import path")
     transport: str = Field("broadcast", description="weight transport name or import path")
     run: RunSection = Field(default_factory=RunSection)
@@ -139,9 +246,20 @@ class MilesConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
+    distillation: DistillationSection | None = None
+    sft: SFTSection = Field(default_factory=SFTSection)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MilesConfig:
+        if self.mode == "sft":
+            if self.algorithm.correction is not None and "correction" in self.algorithm.model_fields_set:
+                raise ValueError(
+                    "algorithm.correction corrects rollout/trainer mismatch; mode 'sft' has no rollouts, "
+                    "set algorithm.correction: null"
+                )
+            if self.distillation is not None:
+                raise ValueError("distillation needs rollouts (the student's own samples); use mode: rl")
+            return self
         if self.rollout.n_samples_per_prompt == 1 and "nonzero_std" in self.rollout.filters:
             raise ValueError(
                 "rollout.filters contains 'nonzero_std' but rollout.n_samples_per_prompt is 1: every group "

@@ -14,6 +14,7 @@ from typing import Any
 
 from miles import hookimpl
 from miles.config.schema import MilesConfig
+from miles.driver.objective import Objective
 from miles.errors import EngineError
 from miles.interfaces import Backend, BackendSpec, EngineLauncher, EngineSpec, TransportStats
 from miles.plugins import make_component
@@ -72,6 +73,7 @@ def rollout_engines(
 def trainer(
     config: MilesConfig,
     model_path: str,
+    objective: Objective,
     engine_urls: list[str],
     transport_options: dict[str, Any],
     hooks_pm: Any,
@@ -82,18 +84,25 @@ def trainer(
     section = getattr(config, config.backend, None)
     if section is not None and hasattr(section, "model_dump"):
         options[config.backend] = section.model_dump()
+    rl = config.mode == "rl"
     spec = BackendSpec(
         model_path=model_path,
-        loss=alg.loss,
-        correction=alg.correction,
+        loss=objective.loss,
+        # A correction compares with rollout log-probs; supervised data has none.
+        correction=alg.correction if rl else None,
         transport=config.transport,
         engine_urls=engine_urls,
-        temperature=config.rollout.temperature,
+        # Log-probs at the sampling temperature for RL; the plain likelihood for SFT.
+        temperature=config.rollout.temperature if rl else 1.0,
         options=options,
         loss_options=alg.loss_options,
         correction_options=alg.correction_options,
         transport_options=transport_options,
         seed=config.run.seed,
+        scores=list(objective.scores),
+        ref_model_path=objective.ref_model_path,
+        teacher_model_path=objective.teacher_model_path,
+        critic=objective.critic,
     )
     backend: Backend = make_component("backend", config.backend)
     adapter = _BackendStep(backend)
@@ -116,6 +125,58 @@ class _BackendStep:
     @hookimpl
     def miles_train_step(self, step: int, batch: TrainBatch) -> dict[str, float]:
         return self.backend.train_step(batch)
+
+
+@contextlib.contextmanager
+def served_teacher(config: MilesConfig, tokenizer: Any, loop: Any, log_dir: str) -> Iterator[Any]:
+    """The served teachers of on-policy distillation as one rollout scorer (None without them).
+
+    Teachers given by ``model`` get an embedded engine of their own; teachers given by
+    ``url`` are attached to. Each must tokenize like the student; that is checked once here.
+    """
+    distill = config.distillation
+    if distill is None or distill.teacher != "served":
+        yield None
+        return
+    from miles.distill.served import ServedTeacher, check_same_tokenizer
+    from miles.engines.client import SGLangClient
+    from miles.models.registry import resolve_model
+
+    with contextlib.ExitStack() as stack:
+        launch = {name: t.model for name, t in distill.teachers.items() if t.model is not None}
+        urls = {name: t.url for name, t in distill.teachers.items() if t.url is not None}
+        if launch:
+            launcher: EngineLauncher = make_component("engine", "embedded")
+            stack.callback(launcher.shutdown)
+            eng = config.engine
+            options = {
+                "device": eng.device,
+                "dtype": eng.dtype or config.model.dtype,
+                "max_batch_size": eng.max_batch_size,
+                "startup_timeout_s": eng.startup_timeout_s,
+                **eng.options,
+            }
+            names = sorted(launch)
+            specs = [
+                EngineSpec(model_path=resolve_model(launch[n]), host=eng.host, options=options) for n in names
+            ]
+            urls.update(zip(names, launcher.launch(specs, log_dir), strict=True))
+        clients = {name: SGLangClient(url) for name, url in urls.items()}
+
+        async def close_clients() -> None:
+            for client in clients.values():
+                await client.aclose()
+
+        stack.callback(lambda: loop.run_until_complete(close_clients()))
+        for client in clients.values():
+            loop.run_until_complete(check_same_tokenizer(client, tokenizer))
+        yield ServedTeacher(
+            clients,
+            route_key=distill.route_key,
+            temperature=config.rollout.temperature,
+            top_k=distill.top_k,
+            candidates=distill.top_k_candidates,
+        )
 
 
 def check_engine_versions(loop: Any, engines: list[Any], version: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from typing import Any
 
 from miles.builtins.rollout.prompts import render_prompt_ids
 from miles.interfaces import GenerateFn, RolloutContext
@@ -11,8 +12,20 @@ from miles.plugins import load_component
 from miles.types import Group, Prompt, Sample, Status
 
 
+def is_group_reward(reward: Any) -> bool:
+    """A group reward is marked with a true ``group_reward`` attribute (see ``GroupRewardFn``)."""
+    return bool(getattr(reward, "group_reward", False))
+
+
 class GroupRollout:
     """Runs every trajectory of a rollout concurrently (the engines batch them) and scores each.
+
+    Per trajectory: generate, then the context's scorers (e.g. a served teacher), then the
+    reward. A per-sample reward runs as soon as its trajectory ends; a group reward runs
+    once the whole group has ended, on the samples that were not aborted. The reward
+    post-processors then reshape each reward in order. A reward that raises marks its
+    samples FAILED with reward 0 rather than ending the run; so does a scorer or a
+    post-processor that raises. A trajectory the generate layer marked FAILED gets no reward.
 
     ``generate_fn`` names the layer below (a generate function by name or import path),
     so a multi-turn or agentic generate function replaces exactly that layer.
@@ -30,21 +43,65 @@ class GroupRollout:
                 for i in range(ctx.n_samples_per_prompt)
             ]
             groups.append(Group(prompt=prompt, samples=samples))
-        await asyncio.gather(*(self._run_one(ctx, s) for g in groups for s in g.samples))
+        await asyncio.gather(*(self._run_group(ctx, g) for g in groups))
         return groups
 
-    async def _run_one(self, ctx: RolloutContext, sample: Sample) -> None:
+    async def _run_group(self, ctx: RolloutContext, group: Group) -> None:
+        per_sample = not is_group_reward(ctx.reward)
+        await asyncio.gather(*(self._run_one(ctx, s, reward=per_sample) for s in group.samples))
+        if not per_sample:
+            await self._group_reward(ctx, [s for s in group.samples if s.status is not Status.ABORTED])
+        for sample in group.samples:
+            if sample.reward is not None and sample.status is not Status.FAILED:
+                try:
+                    for post in ctx.reward_postprocess:
+                        sample.reward = float(post(sample, sample.reward))
+                except Exception as exc:
+                    _fail([sample], "reward_postprocess_error", exc)
+            if ctx.on_sample_done is not None:
+                ctx.on_sample_done(sample)
+
+    async def _run_one(self, ctx: RolloutContext, sample: Sample, *, reward: bool) -> None:
         await self.generate(ctx, sample)
         sample.check_aligned()
-        if sample.status is not Status.ABORTED:
+        if sample.status in (Status.ABORTED, Status.FAILED):
+            return
+        try:
+            for scorer in ctx.scorers:
+                await scorer(ctx, sample)
+            sample.check_aligned()
+        except Exception as exc:
+            _fail([sample], "scorer_error", exc)
+            return
+        if reward:
             try:
-                reward = ctx.reward(sample)
-                if inspect.isawaitable(reward):
-                    reward = await reward
-                sample.reward = float(reward)
-            except Exception as exc:  # a broken reward marks the sample, it does not kill the run
-                sample.status = Status.FAILED
-                sample.reward = 0.0
-                sample.metadata["reward_error"] = f"{type(exc).__name__}: {exc}"
-        if ctx.on_sample_done is not None:
-            ctx.on_sample_done(sample)
+                value = ctx.reward(sample)
+                if inspect.isawaitable(value):
+                    value = await value
+                sample.reward = float(value)
+            except Exception as exc:
+                _fail([sample], "reward_error", exc)
+
+    async def _group_reward(self, ctx: RolloutContext, samples: list[Sample]) -> None:
+        samples = [s for s in samples if s.status is not Status.FAILED]
+        if not samples:
+            return
+        try:
+            values = ctx.reward(samples)
+            if inspect.isawaitable(values):
+                values = await values
+            values = [float(v) for v in values]
+            if len(values) != len(samples):
+                raise ValueError(f"group reward returned {len(values)} rewards for {len(samples)} samples")
+        except Exception as exc:
+            _fail(samples, "reward_error", exc)
+            return
+        for sample, value in zip(samples, values, strict=True):
+            sample.reward = value
+
+
+def _fail(samples: list[Sample], key: str, exc: Exception) -> None:
+    for sample in samples:
+        sample.status = Status.FAILED
+        sample.reward = 0.0
+        sample.metadata[key] = f"{type(exc).__name__}: {exc}"
