@@ -84,3 +84,19 @@ def test_distillation_from_an_in_process_teacher(small_run, sft_model) -> None:
     # The untrained student is far from the SFT teacher: a clearly positive reverse-KL estimate.
     assert all(r["distill/reverse_kl"] > 0.5 for r in rows)
     assert all(math.isfinite(r["distill/teacher_logprob_mean"]) for r in rows)
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_distillation_from_a_served_teacher(small_run, sft_model, top_k) -> None:
+    """The run launches the teacher's engine itself, checks its tokenizer, and scores every trajectory."""
+    result = train(
+        small_run(
+            f"distillation={{teachers: {{default: {{model: {sft_model}}}}}, top_k: {top_k}}}",
+            "rollout.filters=[]",
+            "run.num_steps=2",
+        )
+    )
+    rows = _rows(result.metrics_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["distill/reverse_kl"] > 0.5 and math.isfinite(r["train/loss"]) for r in rows)
+    assert os.listdir(os.path.join(result.run_dir, "teachers"))  # the teacher engine's log

@@ -14,7 +14,10 @@ structs (``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput``,
 ``python/sglang/srt/sampling/sampling_params.py``) with compatible types. An
 unknown field is answered with SGLang's 400 error shape, so a drift in our
 client fails the test. Answers are canned in SGLang's response shapes
-(``http_server.py``).
+(``http_server.py``). Input log-probs follow SGLang's scheduler: with
+``logprob_start_len`` s, one entry per input position s..n-1, the first with a null
+log-prob (and a null top-K / requested-ids list); the fake's values are canned
+(position p scores ``-0.01 * p``; the top-K ids at p are ``p, p+1, ...``).
 """
 
 from __future__ import annotations
@@ -152,6 +155,28 @@ class AbortReq(_Strict):
     abort_all: bool = False
 
 
+def _input_logprobs(body: GenerateReqInput, prompt: list[int]) -> dict[str, Any]:
+    """SGLang's input log-prob fields (canned values, SGLang's layout)."""
+    start = len(prompt) - 1 if body.logprob_start_len in (None, -1) else body.logprob_start_len
+    positions = range(start, len(prompt))
+    meta: dict[str, Any] = {
+        "input_token_logprobs": [[None if p == start else -0.01 * p, prompt[p], None] for p in positions]
+    }
+    k = body.top_logprobs_num or 0
+    if k > 0:
+        meta["input_top_logprobs"] = [
+            None if p == start else [[-0.1 * (j + 1), p + j, None] for j in range(k)] for p in positions
+        ]
+        meta["output_top_logprobs"] = []
+    if body.token_ids_logprob is not None:
+        ids = body.token_ids_logprob
+        meta["input_token_ids_logprobs"] = [
+            None if p == start else [[-0.2 * (j + 1), t, None] for j, t in enumerate(ids)] for p in positions
+        ]
+        meta["output_token_ids_logprobs"] = []
+    return meta
+
+
 class FakeSGLang:
     """Serves a FastAPI app on 127.0.0.1 in a thread; ``requests`` lists (method, path, body)."""
 
@@ -204,6 +229,8 @@ class FakeSGLang:
         async def generate(body: GenerateReqInput) -> dict[str, Any]:
             prompt = body.input_ids or []
             out = [int(t) + 1 for t in prompt[-2:]]  # a deterministic "completion"
+            if body.sampling_params is not None and body.sampling_params.max_new_tokens == 0:
+                out = []
             meta: dict[str, Any] = {
                 "id": body.rid or "r",
                 "finish_reason": {"type": "length", "length": len(out)},
@@ -215,6 +242,7 @@ class FakeSGLang:
             }
             if body.return_logprob:
                 meta["output_token_logprobs"] = [[-0.5 * (i + 1), t, None] for i, t in enumerate(out)]
+                meta.update(_input_logprobs(body, prompt))
             if body.return_routed_experts:
                 # SGLang: int32 little-endian, (prompt + output - 1) rows x layers x topk, no shape field.
                 rows = len(prompt) + len(out) - 1

@@ -239,7 +239,7 @@ def test_bad_requests_are_refused_with_a_clear_message(url: str) -> None:
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [1], "stream": True}, "streaming"),
         ({"input_ids": [1], "return_routed_experts": True}, "no MoE"),
-        ({"text": "hello"}, "text"),
+        ({"input_ids": [1], "text": "w1"}, "exactly one of input_ids and text"),
     ]
     for body, needle in cases:
         r = post(url, body)

@@ -76,6 +76,18 @@ class EngineClient(Protocol):
 
     async def abort_request(self, rid: str) -> None: ...
 
+    async def score(
+        self,
+        input_ids: list[int],
+        *,
+        start: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        token_ids: list[int] | list[list[int]] | None = None,
+    ) -> Any:
+        """Log-probs of ``input_ids[start:]`` without generating (a ``ScoreOutput``; teachers, top-K)."""
+        ...
+
 
 @dataclass
 class RolloutContext:
@@ -153,6 +165,8 @@ REF_LOGPROBS = "ref_logprobs"  # the frozen reference policy (KL penalties)
 VALUES = "values"  # the critic's value predictions (PPO)
 TEACHER_LOGPROBS = "teacher_logprobs"  # an in-process teacher (on-policy distillation)
 SCORE_NAMES = (REF_LOGPROBS, VALUES, TEACHER_LOGPROBS)
+# Recorded at rollout time by a served teacher's top-K estimate; not a trainer score.
+OPD_REVERSE_KL = "opd_reverse_kl"
 
 
 @dataclass

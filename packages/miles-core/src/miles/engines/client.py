@@ -14,6 +14,14 @@ relied on; they follow SGLang's ``http_server.py`` / ``io_struct.py``:
   ``(prompt_len + output_len - 1, num_moe_layers, topk)`` covering every token
   the model consumed. The client keeps the last ``output_len`` rows: row ``j``
   is the routing of the forward pass that produced output token ``j``.
+- Scoring (``score``): ``POST /generate`` with ``max_new_tokens`` 0,
+  ``return_logprob``, ``logprob_start_len`` and optionally ``top_logprobs_num`` /
+  ``token_ids_logprob``. The answer's ``meta_info.input_token_logprobs`` has one
+  ``[logprob, token_id, text-or-null]`` entry per input position from
+  ``logprob_start_len`` on, the first with a null log-prob (SGLang computes no
+  logits for it); ``input_top_logprobs`` and ``input_token_ids_logprobs`` hold a
+  list of such entries per position (null at the first). So to score tokens from
+  ``start`` the client asks from ``start - 1`` and drops that first entry.
 - Control: ``/health``, ``/get_weight_version``, ``/get_model_info``,
   ``/get_server_info``, ``/pause_generation {mode}``, ``/continue_generation``,
   ``/flush_cache``, ``/abort_request {rid | abort_all}``,
@@ -91,6 +99,55 @@ def generate_call(
     if return_routed_experts:
         body["return_routed_experts"] = True
     return EngineCall("POST", "/generate", body)
+
+
+def score_call(
+    input_ids: Sequence[int],
+    *,
+    start: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+) -> EngineCall:
+    """A pure scoring ``/generate`` (no new tokens) for the log-probs of ``input_ids[start:]``.
+
+    ``token_ids`` is one flat list (the same ids at every scored position, as SGLang takes
+    it) or one list per scored position (``len(input_ids) - start`` lists: an
+    embedded-engine extension that real SGLang lacks).
+    """
+    n = len(input_ids)
+    if not 1 <= start <= n:
+        raise EngineError(
+            f"score: start {start} is outside 1..{n} (the first token has no log-prob: nothing precedes it)"
+        )
+    if top_k < 0:
+        raise EngineError(f"score: top_k must be >= 0, got {top_k}")
+    if temperature < 0:
+        raise EngineError(f"score: temperature must be >= 0 (0 scores at temperature 1), got {temperature}")
+    body: dict[str, Any] = {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": {"max_new_tokens": 0, "temperature": float(temperature)},
+        "return_logprob": True,
+        "logprob_start_len": start - 1,
+    }
+    if top_k:
+        body["top_logprobs_num"] = int(top_k)
+    if token_ids is not None:
+        if _per_position(token_ids):
+            if len(token_ids) != n - start:
+                raise EngineError(
+                    f"score: token_ids has {len(token_ids)} per-position lists for {n - start} scored positions"
+                )
+            # The position before `start` is reported too (without a value): its list is empty.
+            body["token_ids_logprob"] = [[], *([int(t) for t in ids] for ids in token_ids)]
+        else:
+            body["token_ids_logprob"] = [int(t) for t in token_ids]
+    return EngineCall("POST", "/generate", body)
+
+
+def _per_position(token_ids: Sequence[Any]) -> bool:
+    """One id list per position (rather than one flat list of ids)?"""
+    return bool(token_ids) and isinstance(token_ids[0], list | tuple)
 
 
 def pause_call(mode: str = "abort") -> EngineCall:
@@ -327,6 +384,94 @@ def parse_generate_response(
     )
 
 
+@dataclass
+class ScoreOutput:
+    """One engine's log-probs of ``input_ids[start:]``, one row per scored token.
+
+    ``logprobs[j]`` is ``log π(input_ids[start + j] | input_ids[: start + j])`` at the
+    requested temperature. With ``top_k`` > 0, ``top_ids[j]`` / ``top_logprobs[j]`` are the
+    K most likely tokens at that position, most likely first. With ``token_ids``,
+    ``token_ids_logprobs[j][i]`` is the log-prob of the i-th requested id at that position.
+    """
+
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    token_ids_logprobs: list[list[float]] | None = None
+
+
+def _entries(meta: dict[str, Any], key: str, expected: int, where: str) -> list[Any]:
+    value = meta.get(key)
+    if not isinstance(value, list):
+        raise EngineError(f"{where}: answer has no meta_info.{key} (does the engine support scoring?)")
+    if len(value) != expected:
+        raise EngineError(f"{where}: meta_info.{key} has {len(value)} entries, expected {expected}")
+    return value
+
+
+def _logprob(entry: Any, where: str) -> float:
+    if not isinstance(entry, list | tuple) or len(entry) < 2 or entry[0] is None:
+        raise EngineError(f"{where}: expected a [logprob, token_id, text] entry, got {entry!r}")
+    return float(entry[0])
+
+
+def parse_score_response(
+    data: Any,
+    input_ids: Sequence[int],
+    *,
+    start: int,
+    top_k: int = 0,
+    token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    url: str = "engine",
+) -> ScoreOutput:
+    """Check and unpack the answer to :func:`score_call` (the same arguments).
+
+    Every list must cover positions ``start - 1 .. n - 1`` and name the tokens that were
+    sent, else EngineError naming the engine: a mismatch means the engine scored
+    something else than asked, which must not reach training silently.
+    """
+    where = f"engine {url}/generate (score)"
+    if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
+        raise EngineError(f"{where}: answer has no meta_info (got {str(data)[:200]!r})")
+    meta = data["meta_info"]
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        raise EngineError(f"{where}: scoring was aborted: {finish.get('message') or 'no reason given'}")
+    expected = len(input_ids) - start + 1
+    entries = _entries(meta, "input_token_logprobs", expected, where)
+    sent = [int(t) for t in input_ids[start - 1 :]]
+    got = [int(e[1]) if isinstance(e, list | tuple) and len(e) >= 2 else None for e in entries]
+    if got != sent:
+        pos = next(i for i, (a, b) in enumerate(zip(got, sent, strict=True)) if a != b)
+        raise EngineError(
+            f"{where}: input_token_logprobs names token {got[pos]} at position {start - 1 + pos}; "
+            f"the request sent {sent[pos]} there"
+        )
+    out = ScoreOutput(logprobs=[_logprob(e, where) for e in entries[1:]])
+    if top_k:
+        out.top_ids, out.top_logprobs = [], []
+        for j, row in enumerate(_entries(meta, "input_top_logprobs", expected, where)[1:]):
+            if not isinstance(row, list) or len(row) != top_k:
+                raise EngineError(
+                    f"{where}: input_top_logprobs at position {start + j} has "
+                    f"{len(row) if isinstance(row, list) else row!r} entries, expected {top_k}"
+                )
+            out.top_logprobs.append([_logprob(e, where) for e in row])
+            out.top_ids.append([int(e[1]) for e in row])
+    if token_ids is not None:
+        per_position = _per_position(token_ids)
+        out.token_ids_logprobs = []
+        for j, row in enumerate(_entries(meta, "input_token_ids_logprobs", expected, where)[1:]):
+            asked = [int(t) for t in (token_ids[j] if per_position else token_ids)]
+            if not isinstance(row, list) or [int(e[1]) for e in row] != asked:
+                raise EngineError(
+                    f"{where}: input_token_ids_logprobs at position {start + j} does not answer the ids "
+                    f"asked for ({asked[:5]}{'...' if len(asked) > 5 else ''})"
+                )
+            out.token_ids_logprobs.append([_logprob(e, where) for e in row])
+    return out
+
+
 def _error_message_from(status: int, content: bytes) -> str:
     text = content.decode("utf-8", "replace")
     try:
@@ -453,6 +598,26 @@ class SGLangClient:
             url=self.url,
             moe_num_layers=self.moe_num_layers,
             moe_topk=self.moe_topk,
+        )
+
+    async def score(
+        self,
+        input_ids: Sequence[int],
+        *,
+        start: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> ScoreOutput:
+        """Log-probs of ``input_ids[start:]`` (one forward pass, nothing generated); see :class:`ScoreOutput`.
+
+        ``temperature`` divides the logits as when sampling (0 scores at 1). ``token_ids``: one
+        flat list asked at every position, or one list per scored position (embedded engine only).
+        """
+        call = score_call(input_ids, start=start, temperature=temperature, top_k=top_k, token_ids=token_ids)
+        data = await self.call(call)
+        return parse_score_response(
+            data, input_ids, start=start, top_k=top_k, token_ids=token_ids, url=self.url
         )
 
     async def health(self, timeout: float = 5.0) -> bool:
@@ -603,6 +768,22 @@ class SyncEngineClient:
             url=self.url,
             moe_num_layers=self.moe_num_layers,
             moe_topk=self.moe_topk,
+        )
+
+    def score(
+        self,
+        input_ids: Sequence[int],
+        *,
+        start: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> ScoreOutput:
+        """Blocking :meth:`SGLangClient.score`."""
+        call = score_call(input_ids, start=start, temperature=temperature, top_k=top_k, token_ids=token_ids)
+        data = self.call(call)
+        return parse_score_response(
+            data, input_ids, start=start, top_k=top_k, token_ids=token_ids, url=self.url
         )
 
     def health(self, timeout: float = 5.0) -> bool:

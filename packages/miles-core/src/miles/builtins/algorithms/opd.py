@@ -16,12 +16,11 @@ from collections.abc import Sequence
 from miles.builtins.algorithms.kl import LOG_RATIO_LIMIT, kl_estimate
 from miles.builtins.algorithms.tokens import TokenBatch, sample_name
 from miles.builtins.algorithms.whiten import masked_mean_std
-from miles.interfaces import TEACHER_LOGPROBS
+from miles.interfaces import OPD_REVERSE_KL, TEACHER_LOGPROBS
 from miles.types import Sample
 
 # A served teacher's top-K estimate, computed at rollout time: per token, a weighted sum of
 # log π_student − log π_teacher over a candidate set of tokens instead of the sampled one.
-OPD_REVERSE_KL = "opd_reverse_kl"
 
 
 def fold_reverse_kl(

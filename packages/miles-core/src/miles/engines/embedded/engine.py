@@ -128,10 +128,23 @@ class EmbeddedEngine:
 
     # ----------------------------------------------------------- generation
 
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` as SGLang tokenizes a ``/generate`` text prompt (the tokenizer's own special tokens, e.g. BOS)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"text input needs a tokenizer, and the model directory {self.options.model_path} has none; "
+                "send input_ids instead"
+            )
+        ids = list(self.tokenizer.encode(text))
+        if not ids:
+            raise ValueError("text tokenizes to no tokens; send a non-empty prompt")
+        return ids
+
     def make_request(
         self,
         *,
-        input_ids: list[int],
+        input_ids: list[int] | None = None,
+        text: str | None = None,
         rid: str | None,
         max_new_tokens: int,
         temperature: float,
@@ -143,18 +156,30 @@ class EmbeddedEngine:
         return_logprob: bool,
         return_routed_experts: bool,
         routed_experts_start_len: int = 0,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
     ) -> GenRequest:
-        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"input_ids holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-            )
-        if len(input_ids) >= self.max_context:
-            raise ValueError(
-                f"the prompt has {len(input_ids)} tokens; the model's context is {self.max_context}"
-            )
+        """Validate one ``/generate`` request (ValueError: a 400 naming the problem) and build it."""
+        if (input_ids is None) == (text is None):
+            raise ValueError("give exactly one of input_ids and text")
+        if input_ids is None:
+            input_ids = self.tokenize(text)
+        n = len(input_ids)
+        self._check_ids(input_ids, "input_ids")
+        if n >= self.max_context:
+            raise ValueError(f"the prompt has {n} tokens; the model's context is {self.max_context}")
         if return_routed_experts and not self.recorder.is_moe:
             raise ValueError("return_routed_experts is set but the model has no MoE routers")
+        if routed_experts_start_len > n:
+            raise ValueError(
+                f"routed_experts_start_len {routed_experts_start_len} is beyond the prompt ({n} tokens)"
+            )
+        scoring: dict[str, Any] = {}
+        if return_logprob:  # as in SGLang, the log-prob options mean nothing without return_logprob
+            scoring = self._scoring_fields(
+                n, max_new_tokens, logprob_start_len, top_logprobs_num, token_ids_logprob
+            )
         stops = set(stop_token_ids) | (set() if ignore_eos else self.eos_ids)
         return GenRequest(
             rid=rid or uuid.uuid4().hex,
@@ -169,7 +194,97 @@ class EmbeddedEngine:
             return_routed_experts=return_routed_experts,
             generator=self.runner.new_generator(seed) if seed is not None else None,
             routed_start=routed_experts_start_len,
+            **scoring,
         )
+
+    def _check_ids(self, ids: list[int], where: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{where} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+
+    def _scoring_fields(
+        self,
+        n: int,
+        max_new_tokens: int,
+        logprob_start_len: int,
+        top_logprobs_num: int,
+        token_ids_logprob: list[int] | list[list[int]] | None,
+    ) -> dict[str, Any]:
+        """The GenRequest scoring fields, SGLang's rules: ``logprob_start_len`` -1 reports the last
+        input position only, and must otherwise lie inside the input."""
+        start = n - 1 if logprob_start_len == -1 else logprob_start_len
+        if start >= n:
+            raise ValueError(
+                f"logprob_start_len {logprob_start_len} is beyond the input: it must be below the number of "
+                f"input tokens ({n})"
+            )
+        if top_logprobs_num > self.vocab_size:
+            raise ValueError(
+                f"top_logprobs_num {top_logprobs_num} exceeds the vocabulary size {self.vocab_size}"
+            )
+        fields: dict[str, Any] = {"logprob_start": start, "top_logprobs_num": top_logprobs_num}
+        if token_ids_logprob is None:
+            return fields
+        if not token_ids_logprob:
+            raise ValueError("token_ids_logprob is empty; leave it out or list token ids")
+        if all(isinstance(x, int) for x in token_ids_logprob):
+            self._check_ids(token_ids_logprob, "token_ids_logprob")
+            fields["token_ids_logprob"] = list(token_ids_logprob)
+            return fields
+        # The per-position form (one id list per reported input position) is an embedded-engine extension.
+        if max_new_tokens != 0:
+            raise ValueError(
+                "token_ids_logprob as one list per position is for scoring calls only; set max_new_tokens to 0 "
+                "(or give one flat list of ids, used at every position)"
+            )
+        if len(token_ids_logprob) != n - start:
+            raise ValueError(
+                f"token_ids_logprob has {len(token_ids_logprob)} per-position lists; positions "
+                f"{start}..{n - 1} (logprob_start_len to the end of the input) need {n - start}"
+            )
+        for ids in token_ids_logprob:
+            self._check_ids(ids, "token_ids_logprob")
+        fields["token_ids_per_position"] = [list(ids) for ids in token_ids_logprob]
+        return fields
+
+    def _triples(self, values: list[float | None], ids: list[int], with_text: bool) -> list[list[Any]]:
+        """SGLang's ``[logprob, token_id, text-or-null]`` entries."""
+        pieces: list[str | None] = [None] * len(ids)
+        if with_text and self.tokenizer is not None and ids:
+            pieces = self.tokenizer.batch_decode([[t] for t in ids])
+        return [[v, t, p] for v, t, p in zip(values, ids, pieces, strict=True)]
+
+    def _input_logprobs(self, req: GenRequest, with_text: bool) -> dict[str, Any]:
+        """``input_*`` (and ``output_*`` top / requested-id) log-prob fields of ``meta_info``.
+
+        One entry per prompt position ``logprob_start ..``; the first is null, as in SGLang
+        (the logits that would score it are not computed). A request aborted before its
+        prompt was scored carries nulls for the positions it did not reach.
+        """
+        ids = req.prompt_ids[req.logprob_start :]
+        missing = len(ids) - 1 - len(req.input_logprobs)
+        meta: dict[str, Any] = {
+            "input_token_logprobs": self._triples(
+                [None, *req.input_logprobs] + [None] * missing, ids, with_text
+            )
+        }
+        if req.top_logprobs_num > 0:
+            tops = [self._triples(v, i, with_text) for v, i in req.input_top]
+            meta["input_top_logprobs"] = [None, *tops] + [None] * (len(ids) - 1 - len(tops))
+            meta["output_top_logprobs"] = [self._triples(v, i, with_text) for v, i in req.output_top]
+        if req.token_ids_logprob is not None or req.token_ids_per_position is not None:
+            lists = req.token_ids_per_position[1:] if req.token_ids_per_position is not None else None
+            asked = [
+                self._triples(v, lists[j] if lists is not None else req.token_ids_logprob, with_text)
+                for j, v in enumerate(req.input_ids_logprobs)
+            ]
+            meta["input_token_ids_logprobs"] = [None, *asked] + [None] * (len(ids) - 1 - len(asked))
+            meta["output_token_ids_logprobs"] = [
+                self._triples(v, req.token_ids_logprob, with_text) for v in req.output_ids_logprobs
+            ]
+        return meta
 
     def render(
         self, req: GenRequest, *, return_text_in_logprobs: bool = False, skip_special_tokens: bool = True
@@ -187,13 +302,10 @@ class EmbeddedEngine:
             "weight_version": self.weight_version,
         }
         if req.return_logprob:
-            pieces: list[str | None] = [None] * len(req.output_ids)
-            if return_text_in_logprobs and self.tokenizer is not None:
-                pieces = [self.tokenizer.decode([t]) for t in req.output_ids]
-            meta["output_token_logprobs"] = [
-                [lp, tok, piece]
-                for lp, tok, piece in zip(req.output_logprobs, req.output_ids, pieces, strict=True)
-            ]
+            meta["output_token_logprobs"] = self._triples(
+                list(req.output_logprobs), list(req.output_ids), return_text_in_logprobs
+            )
+            meta.update(self._input_logprobs(req, return_text_in_logprobs))
         if req.return_routed_experts:
             rows = max(req.num_routed - req.routed_start, 0)
             array = (

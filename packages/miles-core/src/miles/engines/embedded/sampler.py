@@ -19,6 +19,19 @@ vocabulary, before top-k / top-p truncation. That is exactly what the trainer
 recomputes from its own forward pass, so train/rollout mismatch measures only the
 numerical difference between the two. Greedy rows (``T == 0``) report
 ``log_softmax(logits)[t]``.
+
+Scoring (input log-probs, SGLang's ``logprob_start_len``): a request with
+``logprob_start = s`` reports one entry per prompt position ``s .. P-1``. Entry 0
+carries no value (SGLang pads it with null whatever ``s`` is: the logits that
+would score it belong to position ``s - 1``, which is not computed); entry
+``j >= 1`` is ``log_softmax(logits[s+j-1] / T)[prompt[s+j]]``, the formula of the
+output log-probs (``T == 0`` scores at ``T = 1``). Top-K and requested-id
+log-probs come from the same row. They are taken from the prefill forward pass
+that also samples the first output token: the model keeps the logits of the
+last ``P - s`` columns only. When ``rows x columns x vocab`` would exceed
+``Runner.logits_budget``, the prefill runs in sequence chunks through the KV
+cache, so that no more logits than the budget are alive at once. A request with
+``max_new_tokens == 0`` is scored and answered without sampling.
 """
 
 from __future__ import annotations
@@ -32,6 +45,10 @@ from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from miles.engines.embedded.routing import RoutingRecorder
+
+
+# Top-K log-probs at one position: (log-probs in descending order, their token ids).
+TopEntry = tuple[list[float], list[int]]
 
 
 @dataclass(eq=False)
@@ -60,11 +77,34 @@ class GenRequest:
     abort_requested: bool = False
     generator: torch.Generator | None = None
     on_done: Any = None  # callable(GenRequest), called once from the scheduler thread
+    # Scoring (SGLang's logprob_start_len, top_logprobs_num, token_ids_logprob; see the module doc).
+    logprob_start: int | None = None  # first prompt position reported; None: no input log-probs
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # the same ids at every position (SGLang)
+    token_ids_per_position: list[list[int]] | None = None  # one id list per reported position (extension)
+    input_logprobs: list[float] = field(default_factory=list)  # prompt positions logprob_start+1 .. P-1
+    input_top: list[TopEntry] = field(default_factory=list)
+    input_ids_logprobs: list[list[float]] = field(default_factory=list)
+    output_top: list[TopEntry] = field(default_factory=list)  # one per output token
+    output_ids_logprobs: list[list[float]] = field(default_factory=list)
+    input_scored: bool = False  # set once; a retracted request is not scored again
 
     @property
     def num_fed(self) -> int:
         """Tokens the model has consumed: the prompt and every output but the pending one."""
         return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def pending_input_positions(self) -> int:
+        """Prompt positions whose logits the next prefill must keep for input log-probs."""
+        if self.logprob_start is None or self.input_scored:
+            return 0
+        return len(self.prompt_ids) - 1 - self.logprob_start
+
+    @property
+    def wants_extras(self) -> bool:
+        """Top-K or requested-id log-probs for every sampled token."""
+        return self.return_logprob and (self.top_logprobs_num > 0 or self.token_ids_logprob is not None)
 
 
 def cache_is_mergeable(model: Any) -> bool:
@@ -78,10 +118,37 @@ def cache_is_mergeable(model: Any) -> bool:
 # ------------------------------------------------------------------- sampling
 
 
+def top_and_requested(
+    logp: torch.Tensor, top_k: int, token_ids: list[int] | list[list[int]] | None
+) -> tuple[list[TopEntry], list[list[float]]]:
+    """Per row of log-probs ``logp`` [m, V]: the ``top_k`` best (sorted, descending) and the
+    log-probs of ``token_ids`` (one flat list for every row, or one list per row), in the
+    order the ids were given. Either result is empty when not asked for."""
+    tops: list[TopEntry] = []
+    if top_k > 0:
+        values, indices = torch.topk(logp, top_k, dim=-1)
+        tops = list(zip(values.tolist(), indices.tolist(), strict=True))
+    requested: list[list[float]] = []
+    if token_ids is None:
+        pass
+    elif token_ids and isinstance(token_ids[0], list):
+        # Ragged lists: gather from a zero-padded index, then cut each row back to its length.
+        index = torch.zeros(len(token_ids), max(len(ids) for ids in token_ids), dtype=torch.long)
+        for i, ids in enumerate(token_ids):
+            index[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        gathered = logp.gather(1, index.to(logp.device)).tolist()
+        requested = [row[: len(ids)] for row, ids in zip(gathered, token_ids, strict=True)]
+    else:
+        index = torch.tensor(token_ids, dtype=torch.long, device=logp.device)
+        requested = logp.index_select(1, index).tolist()
+    return tops, requested
+
+
 def sample_tokens(
     logits: torch.Tensor, rows: Sequence[GenRequest], default_generator: torch.Generator
-) -> tuple[list[int], list[float]]:
-    """Sample one token per row of ``logits`` [B, V]; returns the tokens and their logprobs."""
+) -> tuple[list[int], list[float], torch.Tensor]:
+    """Sample one token per row of ``logits`` [B, V]; returns the tokens, their logprobs and
+    the full log-probs [B, V] they were taken from."""
     logits = logits.float()
     temps = torch.tensor(
         [r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device, dtype=torch.float32
@@ -109,7 +176,7 @@ def sample_tokens(
         tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
     index = torch.tensor(tokens, device=logits.device)[:, None]
     chosen = logp.gather(1, index).squeeze(1).tolist()
-    return tokens, chosen
+    return tokens, chosen, logp
 
 
 # ---------------------------------------------------------------- the batch
@@ -180,7 +247,12 @@ def select_rows(batch: DecodeBatch, keep: list[int], mergeable: bool) -> DecodeB
 
 
 class Runner:
-    """Runs the model: prefill new rows, decode one step, sample, record routing."""
+    """Runs the model: prefill new rows (scoring their prompts on request), decode one step, sample,
+    record routing."""
+
+    #: Most logits (rows x sequence columns x vocabulary entries) one prefill forward may return;
+    #: a prefill that must keep more for input log-probs runs in sequence chunks (256 MiB of float32).
+    logits_budget: int = 1 << 26
 
     def __init__(
         self,
@@ -195,6 +267,9 @@ class Runner:
         self.device = device
         self.max_context = max_context
         self.recorder = recorder if recorder is not None and recorder.is_moe else None
+        head = model.get_output_embeddings()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(head.weight.shape[0]) if head is not None else int(config.vocab_size)
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
@@ -213,7 +288,9 @@ class Runner:
         mask: torch.Tensor,
         positions: torch.Tensor,
         cache: Any,
+        keep: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the last ``keep`` columns [B, keep, V], and the routing when recorded."""
         record = self.recorder is not None and any(r.return_routed_experts for r in rows)
         if record:
             self.recorder.start()
@@ -224,15 +301,28 @@ class Runner:
                 position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=keep,
             )
         finally:
             routing = self.recorder.stop(*input_ids.shape) if record else None
-        return out.logits[:, -1, :], routing
+        return out.logits, routing
+
+    def _spans(self, batch: int, width: int, keep: int) -> list[tuple[int, int, int]]:
+        """The prefill forwards as ``(first column, end column, logits kept)``: one pass when the
+        kept logits fit the budget, else the unscored head in one pass and the scored tail in
+        chunks of as many columns as the budget allows."""
+        step = max(1, self.logits_budget // (batch * self.vocab_size))
+        if keep <= step:
+            return [(0, width, keep)]
+        first = width - keep
+        spans = [(0, first, 1)] if first > 0 else []
+        spans += [(a, min(a + step, width), min(a + step, width) - a) for a in range(first, width, step)]
+        return spans
 
     @torch.inference_mode()
     def prefill(self, rows: list[GenRequest]) -> DecodeBatch:
-        """Feed every row's prompt (and, for retracted rows, all outputs so far); sample the next token."""
+        """Feed every row's prompt (and, for retracted rows, all outputs so far); record the
+        requested input log-probs; sample the next token."""
         from transformers import DynamicCache
 
         seqs = [r.prompt_ids + r.output_ids for r in rows]
@@ -245,15 +335,62 @@ class Runner:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits, routing = self._forward(rows, ids, mask, positions, cache)
-        if routing is not None:
+        # Rows are left-padded, so every position a row scores lies in the last `keep` columns.
+        keep = 1 + max(r.pending_input_positions for r in rows)
+        routed_parts: list[torch.Tensor] = []
+        logits = None
+        for a, b, kept in self._spans(len(rows), width, keep):
+            logits, routing = self._forward(rows, ids[:, a:b], mask[:, :b], positions[:, a:b], cache, kept)
+            if routing is not None:
+                routed_parts.append(routing)
+            if keep > 1:
+                self._record_input_scores(rows, ids, b - kept, logits)
+        for row in rows:
+            if row.logprob_start is not None:
+                row.input_scored = True
+        if routed_parts:
+            routing = torch.cat(routed_parts, dim=1)
             for i, (row, s) in enumerate(zip(rows, seqs, strict=True)):
                 if row.return_routed_experts and row.num_routed < len(s):
                     offset = width - len(s)
                     row.routed.append(routing[i, offset + row.num_routed : offset + len(s)].clone())
                     row.num_routed = len(s)
-        self._append(rows, logits)
+        self._append(rows, logits[:, -1, :])
         return DecodeBatch(rows=list(rows), cache=cache, mask=mask)
+
+    def _record_input_scores(
+        self, rows: list[GenRequest], ids: torch.Tensor, first_col: int, logits: torch.Tensor
+    ) -> None:
+        """Append the input log-probs that ``logits`` (columns ``first_col ..``) hold for each row.
+
+        Column ``c`` of a row predicts the token in column ``c + 1``; a row scores the columns
+        of prompt positions ``logprob_start .. P-2``, which end just before the last column.
+        """
+        width = ids.shape[1]
+        end_col = first_col + logits.shape[1]
+        for i, row in enumerate(rows):
+            pending = row.pending_input_positions
+            if pending <= 0:
+                continue
+            lo, hi = max(first_col, width - 1 - pending), min(end_col, width - 1)
+            if lo >= hi:
+                continue
+            targets = ids[i, lo + 1 : hi + 1]
+            per_position = None
+            if row.token_ids_per_position is not None:
+                # Column c holds prompt position p = c - (width - P); it scores entry p + 1 - start.
+                entry = lo - (width - len(row.prompt_ids)) + 1 - row.logprob_start
+                per_position = row.token_ids_per_position[entry : entry + hi - lo]
+            t = row.temperature if row.temperature > 0 else 1.0
+            logp = F.log_softmax(logits[i, lo - first_col : hi - first_col].float() / t, dim=-1)
+            row.input_logprobs += logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            tops, requested = top_and_requested(
+                logp,
+                row.top_logprobs_num,
+                per_position if per_position is not None else row.token_ids_logprob,
+            )
+            row.input_top += tops
+            row.input_ids_logprobs += requested
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch) -> None:
@@ -268,13 +405,29 @@ class Runner:
                 if row.return_routed_experts:
                     row.routed.append(routing[i, 0:1].clone())
                     row.num_routed += 1
-        self._append(rows, logits)
+        self._append(rows, logits[:, -1, :])
 
     def _append(self, rows: list[GenRequest], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample_tokens(logits, rows, self.generator)
-        for row, tok, lp in zip(rows, tokens, logprobs, strict=True):
+        # A pure scoring request (max_new_tokens 0) is done once its prompt went through the model.
+        sampling = [i for i, row in enumerate(rows) if row.max_new_tokens > 0]
+        for row in rows:
+            if row.max_new_tokens <= 0:
+                row.finish = {"type": "length", "length": 0}
+        if not sampling:
+            return
+        if len(sampling) < len(rows):
+            rows = [rows[i] for i in sampling]
+            logits = logits[torch.tensor(sampling, device=logits.device)]
+        tokens, logprobs, logp = sample_tokens(logits, rows, self.generator)
+        for i, (row, tok, lp) in enumerate(zip(rows, tokens, logprobs, strict=True)):
             row.output_ids.append(tok)
             row.output_logprobs.append(lp)
+            if row.wants_extras:
+                tops, requested = top_and_requested(
+                    logp[i : i + 1], row.top_logprobs_num, row.token_ids_logprob
+                )
+                row.output_top += tops
+                row.output_ids_logprobs += requested
             if tok in row.stop_ids:
                 row.finish = {"type": "stop", "matched": tok}
             elif (

@@ -19,6 +19,13 @@ Pause modes (``/pause_generation``), as in SGLang:
 
 The engine keeps no cache across requests (the KV cache lives only as long as the
 running batch), so ``/flush_cache`` has nothing to drop.
+
+Scoring requests (input log-probs, see ``sampler``) go through the same queue:
+their prompt is scored by the prefill that admits them, batched with whatever
+else is admitted in that step; a pure scoring request (``max_new_tokens == 0``)
+is answered right after that prefill and never joins a decode step. A request
+that needs no forward pass at all (no new tokens, no input log-probs to
+compute) is answered at once.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class Scheduler:
             "requests_finished": 0,
             "requests_aborted": 0,
             "tokens_generated": 0,
+            "scoring_requests": 0,
+            "input_positions_scored": 0,
             "errors": 0,
         }
 
@@ -93,7 +102,7 @@ class Scheduler:
             if self._stop:
                 raise RuntimeError("the engine is shutting down")
             self._rids.add(req.rid)
-            if req.max_new_tokens == 0:
+            if req.max_new_tokens == 0 and req.pending_input_positions == 0:
                 req.finish = {"type": "length", "length": 0}
             else:
                 self._waiting.append(req)
@@ -195,7 +204,10 @@ class Scheduler:
             self._retire()
         new = self._admit()
         if new:
+            scored = [r.pending_input_positions for r in new if r.pending_input_positions > 0]
             fresh = self.runner.prefill(new)
+            self.stats["scoring_requests"] += len(scored)
+            self.stats["input_positions_scored"] += sum(scored)
             self.stats["prefill_batches"] += 1
             self.stats["prefill_requests"] += len(new)
             self.stats["max_prefill_batch"] = max(self.stats["max_prefill_batch"], len(new))

@@ -93,14 +93,31 @@ class SamplingParamsBody(_Body):
 
 
 class GenerateBody(_Body):
-    input_ids: list[int] = Field(
-        ..., min_length=1, description="prompt token ids (this engine takes tokens only)"
+    """SGLang's ``GenerateReqInput`` for one prompt (token ids or text).
+
+    Log-prob options (only with ``return_logprob``, as in SGLang): ``logprob_start_len`` s
+    reports ``input_token_logprobs`` for input positions s..n-1 (the first entry is null;
+    -1: the last position only); ``top_logprobs_num`` K adds ``input_top_logprobs`` and
+    ``output_top_logprobs``; ``token_ids_logprob`` adds ``input_token_ids_logprobs`` and
+    ``output_token_ids_logprobs``. Log-probs are taken at the request's temperature
+    (``log_softmax(logits / T)``; T = 0 scores at T = 1).
+    """
+
+    input_ids: list[int] | None = Field(None, min_length=1, description="prompt token ids")
+    text: str | None = Field(
+        None, description="prompt text, tokenized with the engine's tokenizer (as SGLang)"
     )
     sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     logprob_start_len: int = Field(
-        -1, description="accepted for compatibility; prompt logprobs are not returned"
+        -1, ge=-1, description="first input position whose log-prob is returned (-1: the last one only)"
+    )
+    top_logprobs_num: int = Field(0, description="K: the top K log-probs at every returned position")
+    token_ids_logprob: list[int] | list[list[int]] | None = Field(
+        None,
+        description="ids whose log-probs are returned at every position (SGLang); extension: one id list per "
+        "returned input position (n - logprob_start_len lists), for scoring calls (max_new_tokens 0)",
     )
     rid: str | None = None
     return_routed_experts: bool = False
@@ -116,13 +133,17 @@ class GenerateBody(_Body):
             raise ValueError("streaming is not supported by the embedded engine")
         return v
 
+    @field_validator("top_logprobs_num")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"top_logprobs_num must be 0 (none) or a positive number of log-probs, got {v}")
+        return v
+
     @model_validator(mode="after")
-    def _start_in_prompt(self) -> GenerateBody:
-        if self.routed_experts_start_len > len(self.input_ids):
-            raise ValueError(
-                f"routed_experts_start_len {self.routed_experts_start_len} is beyond the prompt "
-                f"({len(self.input_ids)} tokens)"
-            )
+    def _one_prompt(self) -> GenerateBody:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of input_ids and text")
         return self
 
 
@@ -227,7 +248,7 @@ def create_app(engine: Any) -> FastAPI:
 
     # -------------------------------------------------------- generation
 
-    @app.post("/generate", summary="Generate from input_ids (SGLang /generate, non-streaming)")
+    @app.post("/generate", summary="Generate from input_ids or text, or score them (SGLang /generate)")
     async def generate(body: GenerateBody) -> Any:
         sp = body.sampling_params
         if body.rid and engine.scheduler.has_rid(body.rid):
@@ -235,6 +256,7 @@ def create_app(engine: Any) -> FastAPI:
         try:
             req = engine.make_request(
                 input_ids=body.input_ids,
+                text=body.text,
                 rid=body.rid,
                 max_new_tokens=sp.max_new_tokens,
                 temperature=sp.temperature,
@@ -246,6 +268,9 @@ def create_app(engine: Any) -> FastAPI:
                 return_logprob=body.return_logprob,
                 return_routed_experts=body.return_routed_experts,
                 routed_experts_start_len=body.routed_experts_start_len,
+                logprob_start_len=body.logprob_start_len,
+                top_logprobs_num=body.top_logprobs_num,
+                token_ids_logprob=body.token_ids_logprob,
             )
         except ValueError as exc:
             return _gen_error(str(exc))
