@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=30)
     parser.add_argument("--grpo-steps", type=int, default=40)
     parser.add_argument("--opd-steps", type=int, default=40)
+    # Below the default recipe's 0.01: from a fine-tuned policy, large first steps undo the SFT before GRPO helps.
+    parser.add_argument("--grpo-lr", type=float, default=0.003)
     args = parser.parse_args()
 
     work = tempfile.mkdtemp(prefix="miles-curves-")
@@ -72,7 +74,14 @@ def main() -> None:
         "sft-arith", [*common, "run.name=sft", f"run.num_steps={args.sft_steps}"]
     )
     grpo_rows, grpo_final, grpo_s = _run(
-        "default", [*common, "run.name=grpo", f"run.num_steps={args.grpo_steps}", f"model.path={sft_final}"]
+        "default",
+        [
+            *common,
+            "run.name=grpo",
+            f"run.num_steps={args.grpo_steps}",
+            f"model.path={sft_final}",
+            f"train.lr={args.grpo_lr}",
+        ],
     )
     opd_rows, _, opd_s = _run(
         "default",
@@ -99,6 +108,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU",
         "command": "uv run --group bench python benchmarks/objective_curves.py",
         "steps": {"sft": args.sft_steps, "grpo": args.grpo_steps, "opd": args.opd_steps},
+        "grpo_lr": args.grpo_lr,
         "seconds": {"sft": sft_s, "grpo": grpo_s, "opd": opd_s},
         "summary": summary,
         "curves": curves,
