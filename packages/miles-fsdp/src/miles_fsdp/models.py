@@ -97,7 +97,15 @@ def load_value_model(path: str, opts: FSDPOptions) -> ValueModel:
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if opts.attn_implementation:
         kwargs["attn_implementation"] = opts.attn_implementation
-    backbone = AutoModel.from_pretrained(path, **kwargs)
+    from transformers.utils import logging as hf_logging
+
+    # A causal-LM checkpoint has an lm_head the backbone does not take; that is expected, not news.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        backbone = AutoModel.from_pretrained(path, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     backbone.config.use_cache = False
     return ValueModel(backbone)
 
