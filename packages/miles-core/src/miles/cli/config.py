@@ -28,17 +28,29 @@ def show(recipe: str, overrides: tuple[str, ...]) -> None:
 @config.command()
 @recipe_argument
 @set_option
-@click.option("--check", is_flag=True, help="Also import every selected component (may import torch).")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Also import every selected component and resolve the objective (may import torch).",
+)
 @verbose_option
 def validate(recipe: str, overrides: tuple[str, ...], check: bool) -> None:
     """Check RECIPE and the components it names; print `ok: RECIPE` or the problems.
 
     Without --check components are found without being imported: names must be
-    installed and import paths' modules must exist.
+    installed and import paths' modules must exist. With --check the objective is
+    resolved too (the loss an unset algorithm.loss means, the critic, reference and
+    teacher models and their tokenizers), as `miles run` does before starting anything.
     """
     from miles.config import load_recipe, validate_components
 
-    validate_components(load_recipe(recipe, overrides), load=check)
+    config = load_recipe(recipe, overrides)
+    validate_components(config, load=check)
+    if check:
+        from miles.driver.objective import resolve_objective
+        from miles.models.registry import resolve_model
+
+        resolve_objective(config, resolve_model(config.model.path))
     click.echo(f"ok: {recipe}")
 
 

@@ -35,6 +35,10 @@ def run(recipe: str, overrides: tuple[str, ...], resume: bool, overwrite: bool, 
     # Import every selected component now: a broken plugin fails here, not after engines started.
     validate_components(config, load=True)
     if dry_run:
+        from miles.driver.objective import resolve_objective
+        from miles.models.registry import resolve_model
+
+        resolve_objective(config, resolve_model(config.model.path))
         click.echo(dump_config(config), nl=False)
         return
     from miles.loop import train
