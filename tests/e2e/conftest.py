@@ -20,6 +20,8 @@ def small_run(tmp_path: Path):
             "rollout.prompts_per_step=4",
             "rollout.n_samples_per_prompt=4",
             "tracking.console=false",
+            # The project's own runs check that every engine holds exactly the trainer's weights.
+            "weight_sync.check_equal=true",
         ]
         return load_recipe("default", [*base, *overrides])
 

@@ -270,6 +270,8 @@ class TransportStats:
     seconds: float
     buckets: int
     version: int
+    # Transport-specific figures, logged under weight_sync/ (e.g. disk-delta's changed-byte density).
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -95,7 +95,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         transport_options: dict = {}
         if rl:
             engine_urls, transport_options = stack.enter_context(
-                rollout_engines(config, model_path, run.sub("engines"))
+                rollout_engines(config, model_path, run.sub("engines"), run.path)
             )
         backend = stack.enter_context(
             trainer(config, model_path, components.objective, engine_urls, transport_options, pm)

@@ -151,6 +151,10 @@ class RankTrainer:
         transport.connect(
             list(self.spec.engine_urls), rank=self.rank, world_size=self.world_size, device=device
         )
+        if getattr(transport, "wants_base_weights", False):
+            # Before any step the policy is exactly the checkpoint the engines loaded: their base.
+            with torch.no_grad():
+                transport.seed(iter_full_tensors(self.model), 0)
         return transport
 
     # ---------------------------------------------------------------- scoring

@@ -19,19 +19,30 @@ def hf_name(name: str) -> str:
     return name
 
 
+def is_expert(name: str) -> bool:
+    """Mixture-of-experts weights (``...mlp.experts...``) go in the second pass of a weight update."""
+    return ".experts." in name
+
+
 def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every parameter, then every persistent buffer.
+    """Yield ``(hf_name, full_tensor)``: non-expert parameters, persistent buffers, then expert parameters.
 
     A collective: every rank must drain the iterator in the same order. Tied
     parameters (e.g. embeddings shared with the LM head) come once, under the first
-    name; engines tie them the same way when they load the model.
+    name; engines tie them the same way when they load the model. Experts come last
+    so a transport can bucket them in a pass of their own.
     """
     persistent = set(model.state_dict(keep_vars=True).keys())
-    for name, param in model.named_parameters():
-        yield hf_name(name), _full(param)
+    params = [(hf_name(n), p) for n, p in model.named_parameters()]
+    for name, param in params:
+        if not is_expert(name):
+            yield name, _full(param)
     for name, buf in model.named_buffers():
         if name in persistent:
             yield hf_name(name), _full(buf)
+    for name, param in params:
+        if is_expert(name):
+            yield name, _full(param)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

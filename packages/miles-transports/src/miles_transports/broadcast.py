@@ -44,8 +44,9 @@ class BroadcastTransport(BucketedTransport):
         ranks_per_engine: int = 1,
         group_name: str | None = None,
         timeout_s: float = 600.0,
+        **checks: Any,  # check_equal / check_mode / check_skip: the weight-equality check (BucketedTransport)
     ) -> None:
-        super().__init__(bucket_mb=bucket_mb, dtype=dtype)
+        super().__init__(bucket_mb=bucket_mb, dtype=dtype, **checks)
         if backend not in (None, "gloo", "nccl"):
             raise ConfigError(
                 f"broadcast transport: backend must be gloo, nccl or null (auto), got {backend!r}"

@@ -6,18 +6,26 @@ larger than the limit travels alone in its own bucket. One tensor of look-ahead
 tells which bucket is the last without holding a second bucket in memory: only
 the last bucket carries the new weight version (and asks engines to flush their
 cache), so an engine reports a version only once all of its tensors have arrived.
+
+Mixture-of-experts weights take a second pass: the producer yields every non-expert
+tensor first, then the expert ones, and an expert tensor never shares a bucket with
+a non-expert one. With expert parallelism of degree ``ep`` each expert tensor a rank
+holds stands for ``ep`` gathered tensors at flush time, so it counts ``ep`` times
+against the bucket limit.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles.errors import ConfigError
 from miles.interfaces import TransportStats
+from miles_transports.fanout import EngineFanout
+from miles_transports.weight_check import WeightEqualityCheck
 
 if TYPE_CHECKING:
     import torch
@@ -41,19 +49,48 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+def is_expert_tensor(name: str) -> bool:
+    """Hugging Face MoE naming: ``...mlp.experts.3.down_proj.weight`` or fused ``...mlp.experts.gate_up_proj``."""
+    return ".experts." in name
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, expert_parallel: int = 1
+) -> Iterator[Bucket]:
+    """Group the stream into buckets of at most ``bucket_bytes`` (a bigger tensor travels alone).
+
+    The pass changes (non-expert -> expert) flush the bucket; an expert tensor counts
+    ``expert_parallel`` times against the limit. ``Bucket.nbytes`` is always the bytes
+    actually held. A non-expert tensor after an expert one is an error: the producer
+    must yield the two passes in order.
+    """
     if bucket_bytes <= 0:
         raise ConfigError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    if expert_parallel < 1:
+        raise ConfigError(f"expert_parallel must be >= 1, got {expert_parallel}")
     it = iter(named_tensors)
     current = Bucket()
+    weighted = 0  # bytes counted against the limit
+    expert_pass = False
     item = next(it, None)
     while item is not None:
-        size = tensor_nbytes(item[1])
-        if current.tensors and current.nbytes + size > bucket_bytes:
+        name, tensor = item
+        expert = is_expert_tensor(name)
+        if expert_pass and not expert:
+            raise ValueError(
+                f"weight stream: non-expert tensor {name!r} after expert tensors; yield every non-expert "
+                "tensor first, then the experts (the expert pass)"
+            )
+        size = tensor_nbytes(tensor)
+        cost = size * (expert_parallel if expert else 1)
+        if current.tensors and (weighted + cost > bucket_bytes or expert != expert_pass):
             yield current
             current = Bucket(index=current.index + 1)
+            weighted = 0
+        expert_pass = expert
         current.tensors.append(item)
         current.nbytes += size
+        weighted += cost
         item = next(it, None)
     if current.tensors:
         current.last = True
@@ -67,7 +104,17 @@ class BucketedTransport(abc.ABC):
     and say where a tensor must live before sending (``_target_device``).
     """
 
-    def __init__(self, bucket_mb: float = 512, dtype: str | None = None) -> None:
+    # Whether the weight-equality check may randomise the engines before the first update.
+    check_randomizes = True
+
+    def __init__(
+        self,
+        bucket_mb: float = 512,
+        dtype: str | None = None,
+        check_equal: bool = False,
+        check_mode: str = "exact",
+        check_skip: Sequence[str] = (),
+    ) -> None:
         if bucket_mb <= 0:
             raise ConfigError(f"transport option bucket_mb must be > 0, got {bucket_mb}")
         if dtype not in (None, "float32", "bfloat16", "float16"):
@@ -80,6 +127,10 @@ class BucketedTransport(abc.ABC):
         self.world_size = 0
         self.device = "cpu"
         self.engine_urls: list[str] = []
+        # The opt-in weight-equality check runs around the first update only.
+        self._check = WeightEqualityCheck(check_mode, check_skip) if check_equal else None  # type: ignore[arg-type]
+        # Experts' share of the flush threshold (set by a backend with expert parallelism).
+        self.expert_parallel = 1
 
     # -------------------------------------------------------- Transport API
 
@@ -99,24 +150,35 @@ class BucketedTransport(abc.ABC):
             for _ in named_tensors:
                 pass
             return TransportStats(bytes_sent=0, seconds=time.perf_counter() - t0, buckets=0, version=version)
-        sent = 0
-        buckets = 0
         stream = iter(named_tensors)
+        check, self._check = self._check, None
+        engines: EngineFanout | None = None
         try:
-            for bucket in iter_buckets(self._prepared(stream), self.bucket_bytes):
-                self._send_bucket(bucket, version)
-                sent += bucket.nbytes
-                buckets += 1
+            prepared = self._prepared(stream)
+            if check is not None:
+                engines = EngineFanout(self.engine_urls, timeout_s=600.0, name="miles-weight-check")
+                check.prepare(engines, randomize=self.check_randomizes)
+                prepared = check.observe(prepared)
+            sent, buckets, metrics = self._deliver(prepared, version)
+            if check is not None and engines is not None:
+                check.verify(engines)
         except Exception:
             # Keep step with the other trainer ranks (they are gathering the rest of the stream),
             # so a refused update fails this call without leaving anyone stuck in a collective.
             for _ in stream:
                 pass
             raise
+        finally:
+            if engines is not None:
+                engines.close()
         if buckets == 0:
             raise RuntimeError(f"{type(self).__name__}: no tensors to send for weight version {version}")
         return TransportStats(
-            bytes_sent=sent, seconds=time.perf_counter() - t0, buckets=buckets, version=version
+            bytes_sent=sent,
+            seconds=time.perf_counter() - t0,
+            buckets=buckets,
+            version=version,
+            metrics=metrics,
         )
 
     def close(self) -> None:
@@ -125,6 +187,21 @@ class BucketedTransport(abc.ABC):
         self.engine_urls = []
 
     # ------------------------------------------------------------ subclass
+
+    def _deliver(
+        self, prepared: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> tuple[int, int, dict[str, float]]:
+        """Rank 0: get the prepared stream to the engines; returns (bytes, buckets, extra metrics).
+
+        By default: bucket it and send each bucket (``_send_bucket``). A transport that does
+        not move buckets (disk-delta) overrides this instead.
+        """
+        sent = buckets = 0
+        for bucket in iter_buckets(prepared, self.bucket_bytes, expert_parallel=self.expert_parallel):
+            self._send_bucket(bucket, version)
+            sent += bucket.nbytes
+            buckets += 1
+        return sent, buckets, {}
 
     @abc.abstractmethod
     def _open(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from typing import Any
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles.errors import ConfigError
@@ -46,8 +47,9 @@ class ColocatedTransport(BucketedTransport):
         dtype: str | None = None,
         handoff_dir: str | None = None,
         timeout_s: float = 600.0,
+        **checks: Any,  # check_equal / check_mode / check_skip: the weight-equality check (BucketedTransport)
     ) -> None:
-        super().__init__(bucket_mb=bucket_mb, dtype=dtype)
+        super().__init__(bucket_mb=bucket_mb, dtype=dtype, **checks)
         self.handoff_dir = handoff_dir
         self.timeout_s = timeout_s
         self._engines: EngineFanout | None = None

@@ -220,7 +220,19 @@ class TrainSection(Section):
 
 class WeightSyncSection(Section):
     bucket_mb: int = Field(512, ge=1, description="weights are sent in buckets of at most this size")
-    options: dict[str, Any] = Field(default_factory=dict)
+    check_equal: bool = Field(
+        False,
+        description="after the first update, compare every engine tensor with the trainer's (engines are "
+        "randomised first, so a missed tensor is caught)",
+    )
+    check_mode: Literal["exact", "rounded"] = Field(
+        "exact", description="exact: bit-exact; rounded: the trainer tensor cast to the engine's dtype first"
+    )
+    check_skip: list[str] = Field(default_factory=list, description="tensor names the check leaves out")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the transport's own options (e.g. disk-delta: delta_dir, encoding, keep; broadcast: backend)",
+    )
 
 
 class TrackingSection(Section):

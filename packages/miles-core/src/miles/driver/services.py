@@ -23,14 +23,14 @@ from miles.types import TrainBatch
 
 @contextlib.contextmanager
 def rollout_engines(
-    config: MilesConfig, model_path: str, log_dir: str
+    config: MilesConfig, model_path: str, log_dir: str, work_dir: str
 ) -> Iterator[tuple[list[str], dict[str, Any]]]:
     """Launch (or attach to) the engines; yields their URLs and the transport options they imply."""
     eng = config.engine
-    transport_options: dict[str, Any] = {
-        "bucket_mb": config.weight_sync.bucket_mb,
-        **config.weight_sync.options,
-    }
+    ws = config.weight_sync
+    transport_options: dict[str, Any] = {"bucket_mb": ws.bucket_mb, **ws.options}
+    if ws.check_equal:
+        transport_options.update(check_equal=True, check_mode=ws.check_mode, check_skip=list(ws.check_skip))
     with contextlib.ExitStack() as stack:
         options: dict[str, Any] = {
             "device": eng.device,
@@ -40,6 +40,13 @@ def rollout_engines(
             "seed": config.run.seed,  # reproducible sampling unless engine.options overrides it
             **eng.options,
         }
+        if config.transport == "disk-delta":
+            # Engines read deltas only from here; the trainer's snapshot must be in the engines' dtype.
+            delta_dir = os.path.abspath(
+                ws.options.get("delta_dir") or os.path.join(work_dir, "weight_deltas")
+            )
+            options["delta_root"] = transport_options["delta_dir"] = delta_dir
+            transport_options.setdefault("dtype", options["dtype"])
         if config.transport == "colocated":
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
             handoff = stack.enter_context(tempfile.TemporaryDirectory(prefix="miles-handoff-", dir=base))
@@ -199,4 +206,5 @@ def describe_update(stats: TransportStats) -> dict[str, float]:
         "weight_sync/bytes": float(stats.bytes_sent),
         "weight_sync/buckets": float(stats.buckets),
         "engine/weight_version": float(stats.version),
+        **{f"weight_sync/{key}": float(value) for key, value in stats.metrics.items()},
     }

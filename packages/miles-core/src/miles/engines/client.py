@@ -29,7 +29,14 @@ relied on; they follow SGLang's ``http_server.py`` / ``io_struct.py``:
 - Weights: ``/update_weights_from_disk``, ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
   ``/update_weights_from_tensor``. Failures come back as HTTP 400 with
-  ``{"success": false, "message": ...}``.
+  ``{"success": false, "message": ...}``. A trainer sends one update as several
+  calls ("buckets") and sets ``weight_version`` on the last only; the embedded
+  engine stages the others and commits them all with the last.
+- Miles extensions (embedded engine): ``bucket_index`` on the two bucket calls
+  (sent only when given), ``/update_weights_from_disk_delta {version,
+  weight_version?}`` and ``/weights_checker {action: reset_tensors | checksum,
+  skip?, seed?}``. Patched SGLang builds have a ``/weights_checker`` with other
+  actions; ours answers ``checksum`` with ``{name: {dtype, shape, digest}}``.
 
 Any failure becomes one :class:`miles.errors.EngineError` naming the engine URL,
 the endpoint and the server's message.
@@ -54,6 +61,7 @@ from miles.errors import EngineError
 from miles.types import GenerateOutput, SamplingParams
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+CHECKER_ACTIONS = ("reset_tensors", "checksum")
 FINISH_REASONS = ("stop", "length", "abort")
 #: ``load_format`` of ``/update_weights_from_tensor`` for the colocated hand-off: each entry of
 #: ``serialized_named_tensors`` names a safetensors file inside the engine's hand-off directory.
@@ -162,6 +170,14 @@ def _with_version(body: dict[str, Any], weight_version: int | str | None) -> dic
     return body
 
 
+def _with_bucket_index(body: dict[str, Any], bucket_index: int | None, what: str) -> None:
+    if bucket_index is None:
+        return  # plain SGLang body
+    if isinstance(bucket_index, bool) or not isinstance(bucket_index, int) or bucket_index < 0:
+        raise EngineError(f"{what}: bucket_index must be an integer >= 0, got {bucket_index!r}")
+    body["bucket_index"] = bucket_index
+
+
 def update_from_disk_call(
     model_path: str, weight_version: int | str | None = None, *, flush_cache: bool = True
 ) -> EngineCall:
@@ -195,6 +211,7 @@ def update_from_distributed_call(
     group_name: str = DEFAULT_GROUP,
     weight_version: int | str | None = None,
     flush_cache: bool = True,
+    bucket_index: int | None = None,
 ) -> EngineCall:
     if not len(names) == len(dtypes) == len(shapes):
         raise EngineError(
@@ -209,6 +226,7 @@ def update_from_distributed_call(
         "group_name": group_name,
         "flush_cache": flush_cache,
     }
+    _with_bucket_index(body, bucket_index, "update_weights_from_distributed")
     return EngineCall("POST", "/update_weights_from_distributed", _with_version(body, weight_version))
 
 
@@ -222,13 +240,36 @@ def update_from_tensor_call(
     *,
     load_format: str = HANDOFF_LOAD_FORMAT,
     flush_cache: bool = True,
+    bucket_index: int | None = None,
 ) -> EngineCall:
-    body = {
+    body: dict[str, Any] = {
         "serialized_named_tensors": [str(f) for f in files],
         "load_format": load_format,
         "flush_cache": flush_cache,
     }
+    _with_bucket_index(body, bucket_index, "update_weights_from_tensor")
     return EngineCall("POST", "/update_weights_from_tensor", _with_version(body, weight_version))
+
+
+def update_from_disk_delta_call(version: int, weight_version: int | str | None = None) -> EngineCall:
+    """Apply disk-delta ``version`` from the engine's own ``--delta-root`` (embedded engine)."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise EngineError(f"update_weights_from_disk_delta: version must be an integer >= 0, got {version!r}")
+    body: dict[str, Any] = {"version": version}
+    return EngineCall("POST", "/update_weights_from_disk_delta", _with_version(body, weight_version))
+
+
+def weights_checker_call(
+    action: str, skip: Sequence[str] | None = None, seed: int | None = None
+) -> EngineCall:
+    if action not in CHECKER_ACTIONS:
+        raise EngineError(f"weights_checker: action {action!r} is not one of {CHECKER_ACTIONS}")
+    body: dict[str, Any] = {"action": action}
+    if skip:
+        body["skip"] = [str(n) for n in skip]
+    if seed is not None:
+        body["seed"] = int(seed)
+    return EngineCall("POST", "/weights_checker", body)
 
 
 def update_version_call(version: int | str) -> EngineCall:
@@ -693,9 +734,14 @@ class SGLangClient:
         group_name: str = DEFAULT_GROUP,
         weight_version: int | str | None = None,
         flush_cache: bool = True,
+        *,
+        bucket_index: int | None = None,
     ) -> dict[str, Any]:
+        """One bucket; the embedded engine stages it unless ``weight_version`` is set (the last bucket)."""
         return await self.call(
-            update_from_distributed_call(names, dtypes, shapes, group_name, weight_version, flush_cache)
+            update_from_distributed_call(
+                names, dtypes, shapes, group_name, weight_version, flush_cache, bucket_index=bucket_index
+            )
         )
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
@@ -708,10 +754,30 @@ class SGLangClient:
         *,
         load_format: str = HANDOFF_LOAD_FORMAT,
         flush_cache: bool = True,
+        bucket_index: int | None = None,
     ) -> dict[str, Any]:
+        """One bucket; the embedded engine stages it unless ``weight_version`` is set (the last bucket)."""
         return await self.call(
-            update_from_tensor_call(files, weight_version, load_format=load_format, flush_cache=flush_cache)
+            update_from_tensor_call(
+                files,
+                weight_version,
+                load_format=load_format,
+                flush_cache=flush_cache,
+                bucket_index=bucket_index,
+            )
         )
+
+    async def update_weights_from_disk_delta(
+        self, version: int, weight_version: int | str | None = None
+    ) -> dict[str, Any]:
+        """Apply disk-delta ``version`` from the engine's ``--delta-root`` (verified before anything changes)."""
+        return await self.call(update_from_disk_delta_call(version, weight_version))
+
+    async def weights_checker(
+        self, action: str, skip: Sequence[str] | None = None, *, seed: int | None = None
+    ) -> dict[str, Any]:
+        """``reset_tensors`` (answer lists ``reset`` / ``untouched``) or ``checksum`` ({name: {dtype, shape, digest}})."""
+        return await self.call(weights_checker_call(action, skip, seed))
 
 
 class SyncEngineClient:
@@ -854,9 +920,13 @@ class SyncEngineClient:
         group_name: str = DEFAULT_GROUP,
         weight_version: int | str | None = None,
         flush_cache: bool = True,
+        *,
+        bucket_index: int | None = None,
     ) -> dict[str, Any]:
         return self.call(
-            update_from_distributed_call(names, dtypes, shapes, group_name, weight_version, flush_cache)
+            update_from_distributed_call(
+                names, dtypes, shapes, group_name, weight_version, flush_cache, bucket_index=bucket_index
+            )
         )
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
@@ -869,10 +939,27 @@ class SyncEngineClient:
         *,
         load_format: str = HANDOFF_LOAD_FORMAT,
         flush_cache: bool = True,
+        bucket_index: int | None = None,
     ) -> dict[str, Any]:
         return self.call(
-            update_from_tensor_call(files, weight_version, load_format=load_format, flush_cache=flush_cache)
+            update_from_tensor_call(
+                files,
+                weight_version,
+                load_format=load_format,
+                flush_cache=flush_cache,
+                bucket_index=bucket_index,
+            )
         )
+
+    def update_weights_from_disk_delta(
+        self, version: int, weight_version: int | str | None = None
+    ) -> dict[str, Any]:
+        return self.call(update_from_disk_delta_call(version, weight_version))
+
+    def weights_checker(
+        self, action: str, skip: Sequence[str] | None = None, *, seed: int | None = None
+    ) -> dict[str, Any]:
+        return self.call(weights_checker_call(action, skip, seed))
 
 
 def call_engine(

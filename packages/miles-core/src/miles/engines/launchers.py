@@ -40,6 +40,8 @@ EMBEDDED_OPTIONS = {
     "seed",
     "startup_timeout_s",
     "weight_version",
+    "delta_root",
+    "update_timeout_s",
     "log_level",
     "url",
     "env",
@@ -285,6 +287,8 @@ class EmbeddedLauncher(_ProcessLauncher):
 
     Spec options: ``device``, ``dtype`` (None: the model's), ``max_batch_size``,
     ``handoff_dir``, ``torch_threads``, ``seed``, ``weight_version``,
+    ``delta_root`` (where disk-delta versions are read from), ``update_timeout_s``
+    (how long a staged multi-bucket update may wait for its next bucket),
     ``startup_timeout_s``, ``log_level``, ``env`` (extra environment), or ``url``
     to attach to an engine that is already running.
     """
@@ -317,6 +321,8 @@ class EmbeddedLauncher(_ProcessLauncher):
             "torch_threads": "--torch-threads",
             "seed": "--seed",
             "weight_version": "--weight-version",
+            "delta_root": "--delta-root",
+            "update_timeout_s": "--update-timeout-s",
             "log_level": "--log-level",
         }
         for key, flag in flags.items():

@@ -34,6 +34,8 @@ class EngineOptions:
     handoff_dir: str | None = None
     seed: int | None = None
     weight_version: str = "0"
+    delta_root: str | None = None  # where /update_weights_from_disk_delta finds v{version:06d}
+    update_timeout_s: float = 300.0  # a staged multi-bucket update with no bucket for this long is dropped
 
 
 def _eos_ids(model: Any) -> set[int]:
@@ -100,9 +102,17 @@ class EmbeddedEngine:
         self.scheduler = Scheduler(
             runner, max_batch_size=options.max_batch_size, mergeable=cache_is_mergeable(model)
         )
-        self.weights = WeightUpdater(model, handoff_dir=options.handoff_dir)
         self._version = str(options.weight_version)
         self._version_lock = threading.Lock()
+        self.weights = WeightUpdater(
+            model,
+            step_lock=self.scheduler.step_lock,
+            get_version=lambda: self.weight_version,
+            set_version=self.set_weight_version,
+            handoff_dir=options.handoff_dir,
+            delta_root=options.delta_root,
+            update_timeout_s=options.update_timeout_s,
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -111,6 +121,7 @@ class EmbeddedEngine:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self.weights.close()
         for group in list(self.weights.groups.values()):
             group.destroy()
         self.weights.groups.clear()

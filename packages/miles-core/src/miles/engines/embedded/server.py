@@ -7,6 +7,13 @@ not silently ignored. Errors look like SGLang's: generation errors are
 ``{"object": "error", "message", "type", "code"}``; weight and control errors are
 ``{"success": false, "message"}``; both with HTTP 400.
 
+Weight updates are all-or-nothing (see ``miles.engines.embedded.weights``): the
+buckets of a broadcast or hand-off update are staged until the one carrying
+``weight_version`` commits them together. Miles extensions, not in SGLang:
+``bucket_index`` on those two calls, ``/update_weights_from_disk_delta`` and our own
+``/weights_checker`` (patched SGLang builds have an endpoint of that name with other
+actions).
+
 Run: ``python -m miles.engines.embedded --model PATH [--host 127.0.0.1] [--port P]``.
 """
 
@@ -169,6 +176,20 @@ class _UpdateBody(_Body):
     abort_all_requests: bool = False
 
 
+class _BucketBody(_UpdateBody):
+    weight_version: str | None = Field(
+        None,
+        description="set on an update's last bucket only: commits every staged bucket plus this one, then "
+        "becomes the engine's version; a bucket without it is staged, invisible to generation",
+    )
+    bucket_index: int | None = Field(
+        None,
+        ge=0,
+        description="Miles extension: this bucket's position in its update (0 for the first); lets the engine "
+        "tell a new update from the rest of a dropped one",
+    )
+
+
 class UpdateFromDiskBody(_UpdateBody):
     model_path: str
     load_format: str | None = None
@@ -183,7 +204,7 @@ class InitGroupBody(_Body):
     backend: Literal["gloo", "nccl"] = "nccl"
 
 
-class UpdateFromDistributedBody(_UpdateBody):
+class UpdateFromDistributedBody(_BucketBody):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
@@ -195,11 +216,30 @@ class DestroyGroupBody(_Body):
     group_name: str = "weight_update_group"
 
 
-class UpdateFromTensorBody(_UpdateBody):
+class UpdateFromTensorBody(_BucketBody):
     serialized_named_tensors: list[str] = Field(
         ..., min_length=1, description="safetensors file names inside the hand-off directory"
     )
     load_format: str | None = None
+
+
+class UpdateFromDiskDeltaBody(_Body):
+    version: int = Field(
+        ...,
+        ge=0,
+        strict=True,
+        description="the delta version to apply: the engine reads DELTA_ROOT/v{version:06d}, DELTA_ROOT being "
+        "its --delta-root (a request cannot name a path)",
+    )
+    weight_version: str | None = Field(
+        None, description="the engine's version afterwards (default: str(version))"
+    )
+
+
+class WeightsCheckerBody(_Body):
+    action: Literal["reset_tensors", "checksum"]
+    skip: list[str] = Field(default_factory=list, description="state-dict names to leave alone / leave out")
+    seed: int = Field(0, description="reset_tensors: seed of the random values")
 
 
 # ------------------------------------------------------------------- app
@@ -356,41 +396,64 @@ def create_app(engine: Any) -> FastAPI:
 
     # ---------------------------------------------------------- weights
 
-    def _apply(tensors: dict[str, Any], version: str | None) -> None:
-        with engine.scheduler.step_lock:
-            engine.weights.apply(tensors)
-            if version is not None:
-                engine.set_weight_version(version)
-
-    async def _run_update(body: _UpdateBody, read: Any) -> Any:
-        if body.abort_all_requests:
+    async def _update(work: Any, *, abort_all_requests: bool = False) -> Any:
+        """Run ``work()`` (a weight change that returns an answer) off the event loop; map refusals to 400."""
+        if abort_all_requests:
             await asyncio.to_thread(engine.scheduler.abort, abort_all=True)
-
-        def work() -> int:
-            with engine.weights.lock:
-                tensors = read()
-                _apply(tensors, body.weight_version)
-                return len(tensors)
-
         try:
-            n = await asyncio.to_thread(work)
+            return await asyncio.to_thread(work)
         except WeightUpdateError as exc:
             return _fail(f"weights not updated: {exc}")
         except Exception as exc:
             log.exception("weight update failed")
             return _fail(f"weights not updated: {type(exc).__name__}: {exc}", code=500)
-        suffix = (
-            f" Weight version updated to {body.weight_version}." if body.weight_version is not None else ""
-        )
-        return _ok(f"Updated {n} tensors.{suffix}", num_paused_requests=0)
 
-    @app.post("/update_weights_from_disk")
+    def _version_note(version: str | None) -> str:
+        return f" Weight version updated to {version}." if version is not None else ""
+
+    async def _bucket_update(body: _BucketBody, read: Any) -> Any:
+        def work() -> dict[str, Any]:
+            outcome = engine.weights.update_bucket(
+                read, weight_version=body.weight_version, bucket_index=body.bucket_index
+            )
+            return _ok(
+                outcome.message + _version_note(body.weight_version),
+                num_paused_requests=0,
+                committed=outcome.committed,
+            )
+
+        return await _update(work, abort_all_requests=body.abort_all_requests)
+
+    @app.post("/update_weights_from_disk", summary="Load a whole checkpoint directory, all-or-nothing")
     async def update_weights_from_disk(body: UpdateFromDiskBody) -> Any:
         if body.load_format not in (None, "auto", "safetensors"):
             return _fail(f"load_format {body.load_format!r} is not supported; use 'auto' or 'safetensors'")
-        return await _run_update(body, lambda: engine.weights.read_disk(body.model_path))
 
-    @app.post("/update_weights_from_tensor")
+        def work() -> dict[str, Any]:
+            n = engine.weights.update(lambda: engine.weights.read_disk(body.model_path), body.weight_version)
+            return _ok(f"Updated {n} tensors.{_version_note(body.weight_version)}", num_paused_requests=0)
+
+        return await _update(work, abort_all_requests=body.abort_all_requests)
+
+    @app.post(
+        "/update_weights_from_disk_delta",
+        summary="Miles extension: apply disk-delta version N from the engine's --delta-root (verified first)",
+        description="Reads DELTA_ROOT/v{version:06d}, the delta from the engine's current (integer) weight "
+        "version, verifies every file and the digest of every resulting tensor while generation goes on, then "
+        "swaps the changed tensors in between two scheduler steps and sets the version (weight_version, default "
+        "str(version)). Any problem is a 400 and leaves the model and version as they were.",
+    )
+    async def update_weights_from_disk_delta(body: UpdateFromDiskDeltaBody) -> Any:
+        def work() -> dict[str, Any]:
+            n = engine.weights.update_from_delta(body.version, body.weight_version)
+            version = body.weight_version if body.weight_version is not None else str(body.version)
+            return _ok(f"Applied delta v{body.version:06d}: {n} tensors changed.{_version_note(version)}")
+
+        return await _update(work)
+
+    @app.post(
+        "/update_weights_from_tensor", summary="Load one bucket from hand-off files (staged until the last)"
+    )
     async def update_weights_from_tensor(body: UpdateFromTensorBody) -> Any:
         if body.load_format != HANDOFF_LOAD_FORMAT:
             return _fail(
@@ -398,7 +461,7 @@ def create_app(engine: Any) -> FastAPI:
                 f"payloads; send load_format {HANDOFF_LOAD_FORMAT!r} with safetensors file names in the hand-off "
                 "directory"
             )
-        return await _run_update(body, lambda: engine.weights.read_handoff(body.serialized_named_tensors))
+        return await _bucket_update(body, lambda: engine.weights.read_handoff(body.serialized_named_tensors))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitGroupBody) -> Any:
@@ -430,7 +493,10 @@ def create_app(engine: Any) -> FastAPI:
             f"Joined weight group {body.group_name!r} as rank {body.rank_offset} of {body.world_size}."
         )
 
-    @app.post("/update_weights_from_distributed")
+    @app.post(
+        "/update_weights_from_distributed",
+        summary="Receive one bucket over a weight group (staged until the last)",
+    )
     async def update_weights_from_distributed(body: UpdateFromDistributedBody) -> Any:
         group = engine.weights.groups.get(body.group_name)
         if group is None:
@@ -438,7 +504,7 @@ def create_app(engine: Any) -> FastAPI:
             return _fail(
                 f"no weight group {body.group_name!r} (groups: {known}); call /init_weights_update_group"
             )
-        return await _run_update(
+        return await _bucket_update(
             body, lambda: engine.weights.receive(group, body.names, body.dtypes, body.shapes)
         )
 
@@ -449,6 +515,28 @@ def create_app(engine: Any) -> FastAPI:
             return _fail(f"no weight group {body.group_name!r}")
         await asyncio.to_thread(group.destroy)
         return _ok(f"Destroyed weight group {body.group_name!r}.")
+
+    @app.post(
+        "/weights_checker",
+        summary="Miles' weight checker: reset_tensors (seeded noise) or checksum ({name: {dtype, shape, digest}})",
+        description="reset_tensors fills every floating-point parameter and persistent buffer not in skip with "
+        "standard-normal values from seed (the weight version is unchanged), so a later update that misses a "
+        "tensor is caught. checksum answers {name: {dtype, shape, digest}} for every state-dict tensor not in "
+        "skip, digest being xxh3_128 of its raw bytes (miles.engines.digest.tensor_digest). Tied tensors "
+        "appear once, under their first state_dict name (e.g. model.embed_tokens.weight, not lm_head.weight).",
+    )
+    async def weights_checker(body: WeightsCheckerBody) -> Any:
+        try:
+            if body.action == "checksum":
+                return await asyncio.to_thread(engine.weights.checksums, body.skip)
+            reset, untouched = await asyncio.to_thread(engine.weights.reset_tensors, body.skip, body.seed)
+        except WeightUpdateError as exc:
+            return _fail(f"weights_checker {body.action}: {exc}")
+        return _ok(
+            f"Filled {len(reset)} tensors with random values (seed {body.seed}); left {len(untouched)} alone.",
+            reset=reset,
+            untouched=untouched,
+        )
 
     return app
 
@@ -478,6 +566,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight version")
+    p.add_argument(
+        "--delta-root",
+        default=None,
+        help="directory of disk-delta versions (v000001/, ...) for /update_weights_from_disk_delta",
+    )
+    p.add_argument(
+        "--update-timeout-s",
+        type=float,
+        default=300.0,
+        help="drop a staged multi-bucket weight update when no bucket comes for this many seconds",
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -520,6 +619,10 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.update_timeout_s <= 0:
+        raise SystemExit(
+            f"miles embedded engine: --update-timeout-s must be > 0, got {args.update_timeout_s}"
+        )
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(
             f"miles embedded engine: {args.model!r} is not a Hugging Face model directory (no config.json)"
@@ -550,6 +653,8 @@ def main(argv: list[str] | None = None) -> None:
         handoff_dir=args.handoff_dir,
         seed=args.seed,
         weight_version=args.weight_version,
+        delta_root=args.delta_root,
+        update_timeout_s=args.update_timeout_s,
     )
     t0 = time.monotonic()
     engine = EmbeddedEngine(options)

@@ -1,36 +1,85 @@
-"""Loading new weights into the running model, all-or-nothing.
+"""Loading new weights into the running model: checked, staged, then committed all at once.
 
-Every path first gathers the complete set of new tensors and checks each one
-against the model (known name, same shape, a dtype that can be cast) before a
-single parameter is written; a bad tensor is refused with its name and the model
-is left as it was. Tensor names are the model's ``state_dict`` names under the
-installed transformers version (what an HF trainer's ``state_dict`` holds).
+Every update is all-or-nothing. New tensors are first gathered and checked against
+the model (known name, same shape, a dtype that can be cast) before a single
+parameter is written; a bad tensor is refused with its name and the model is left
+as it was. Tensor names are the model's ``state_dict`` names under the installed
+transformers version (what an HF trainer's ``state_dict`` holds).
 
 Sources:
 
 - a Hugging Face directory (``/update_weights_from_disk``), read with
   transformers' own loader so checkpoint-format conversions apply;
 - a broadcast over a weight group (``/update_weights_from_distributed``): tensors
-  are received into staging buffers in the announced order. If the announced
-  metadata does not fit the model the tensors are still received (so the sender
-  is not left blocked in a collective) and then discarded;
+  are received in the announced order. If the announced metadata does not fit the
+  model the tensors are still received (so the sender is not left blocked in a
+  collective) and then discarded;
 - safetensors files in the hand-off directory (``/update_weights_from_tensor``
   with ``load_format: miles_safetensors_file``): the colocated path. Names from
   the network are resolved and must stay inside that directory; nothing is
-  unpickled.
+  unpickled;
+- a disk-delta version (``/update_weights_from_disk_delta``): ``ROOT/v{version:06d}``
+  under the ``--delta-root`` the engine was started with, read and verified by
+  :func:`miles.weight_delta.read_delta` against the tensors the model holds.
+
+Multi-bucket updates (broadcast and hand-off) are transactions. A trainer sends one
+update as several calls ("buckets") and puts ``weight_version`` on the last one
+only. A bucket without ``weight_version`` is checked and kept in a staging area that
+generation never sees; the bucket with ``weight_version`` commits everything staged
+plus itself, then sets the version. The commit is the only step that pauses
+generation (it holds the scheduler's step lock, between two decode steps). So an
+engine serves either the old weights or the new ones, never a mix:
+
+- A bucket that fails its checks (or whose receive fails) discards the whole staged
+  update; the error names the tensor. The sender is told, so it aborts the update.
+- A staged update that receives no bucket for ``update_timeout_s`` (the sender
+  died or gave up) is discarded and logged. The timeout counts from the latest
+  bucket, so a long update of many buckets is fine as long as it keeps moving.
+  The sender was not told, so the next bucket that carries no ``bucket_index``
+  is refused once, with the reason: it may be the rest of the dropped update,
+  and committing it alone would serve a partly applied set of weights.
+- ``bucket_index`` (a Miles extension; 0 for an update's first bucket) makes the
+  sequence explicit. Index 0 always begins a new update: a staged one is the
+  leftover of a sender that restarted, and is discarded and logged. Index k > 0
+  must follow exactly k staged buckets, else the bucket is refused and the staged
+  update discarded (a bucket went missing). Without the index, a bucket continues
+  the staged update if there is one and begins a new one otherwise; so a sender
+  that restarts a full update without the index collides with its own leftovers at
+  the first tensor sent twice: that bucket is refused, everything staged dropped,
+  and its next attempt starts clean.
+- Whole updates (from disk, from a delta) commit on their own and leave a staged
+  update alone: it commits later, on top of whatever the model holds then.
+
+Memory: staging holds at most one copy of each tensor sent so far, cast to the
+model's dtype and placed on the model's device (so the commit is a plain
+device-local copy); for a full update that is one extra copy of the model, freed
+at commit or discard. A tensor sent twice in one update is refused.
+
+The weight checker (``/weights_checker``) fills the model's floating-point tensors
+with seeded noise (``reset_tensors``) and reports a digest of every tensor
+(``checksum``, see :mod:`miles.engines.digest`), so a trainer can prove that an
+update reached every tensor. Tensors shared by several names (tied embeddings)
+appear once, under the first name in ``state_dict`` order: the name
+``named_parameters()`` keeps, e.g. ``model.embed_tokens.weight`` and not
+``lm_head.weight``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles.engines.weight_group import WeightGroup
+
+log = logging.getLogger("miles.engines.embedded")
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -58,19 +107,106 @@ def parse_dtype(name: str) -> torch.dtype:
     return value
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class _StagedUpdate:
+    """The buckets of an update whose last bucket (the one with ``weight_version``) has not come yet."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    bucket_of: dict[str, int] = field(default_factory=dict)  # which bucket brought each tensor
+    buckets: int = 0
+    nbytes: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        return f"{self.buckets} bucket(s), {len(self.tensors)} tensor(s), {self.nbytes / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class BucketOutcome:
+    """What one bucket did: staged (``committed`` False) or committed the whole update."""
+
+    committed: bool
+    bucket_tensors: int  # tensors in this bucket
+    total_tensors: int  # staged so far, or committed
+    buckets: int  # buckets staged so far, or in the committed update
+
+    @property
+    def message(self) -> str:
+        if self.committed:
+            return f"Updated {self.total_tensors} tensors from {self.buckets} bucket(s)."
+        return (
+            f"Staged bucket {self.buckets - 1} ({self.bucket_tensors} tensors; {self.total_tensors} staged in "
+            "all). The model is unchanged until the bucket carrying weight_version commits the update."
+        )
+
+
+class _CpuTensors(Mapping[str, torch.Tensor]):
+    """The model's tensors as CPU tensors: copied off an accelerator only when read, not at all on CPU."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name].detach().to("cpu")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 class WeightUpdater:
-    def __init__(self, model: torch.nn.Module, *, handoff_dir: str | None = None) -> None:
+    """All changes to the model's weights. ``lock`` serializes them; commits also take ``step_lock``.
+
+    ``step_lock`` is the scheduler's (held for every decode step), ``get_version`` /
+    ``set_version`` read and set the engine's weight version.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        step_lock: threading.Lock,
+        get_version: Callable[[], str],
+        set_version: Callable[[str], None],
+        handoff_dir: str | None = None,
+        delta_root: str | None = None,
+        update_timeout_s: float = 300.0,
+    ) -> None:
+        if update_timeout_s <= 0:
+            raise ValueError(f"update_timeout_s must be > 0, got {update_timeout_s}")
         self.model = model
         # state_dict(keep_vars) also lists tied aliases (lm_head.weight when tied to the embeddings).
         self.targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        self.unique, self.canonical = _dedupe(self.targets)
         self.handoff_dir = Path(handoff_dir).resolve() if handoff_dir else None
+        self.delta_root = Path(delta_root).resolve() if delta_root else None
+        self.update_timeout_s = float(update_timeout_s)
         self.groups: dict[str, WeightGroup] = {}
         self.lock = threading.Lock()  # one update at a time, in arrival order
+        self._step_lock = step_lock
+        self._get_version = get_version
+        self._set_version = set_version
+        self._staged: _StagedUpdate | None = None
+        self._dropped: str | None = None  # why a staged update was dropped without telling its sender
+        self._timer: threading.Timer | None = None
+        self._timer_serial = 0
 
     # --------------------------------------------------------------- checking
 
-    def check(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> None:
-        """Raise WeightUpdateError for the first tensor that does not fit the model."""
+    def check(
+        self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]], *, exact_dtype: bool = False
+    ) -> None:
+        """Raise WeightUpdateError for the first tensor that does not fit the model.
+
+        Floating-point tensors may come in another floating-point dtype (they are cast)
+        unless ``exact_dtype``.
+        """
         seen: set[str] = set()
         for name, shape, dtype in specs:
             if name in seen:
@@ -87,14 +223,244 @@ class WeightUpdater:
                 raise WeightUpdateError(
                     f"tensor {name!r} has shape {list(shape)}, the model's is {list(target.shape)}"
                 )
-            if dtype != target.dtype and not (dtype.is_floating_point and target.dtype.is_floating_point):
+            castable = dtype.is_floating_point and target.dtype.is_floating_point and not exact_dtype
+            if dtype != target.dtype and not castable:
                 raise WeightUpdateError(f"tensor {name!r} has dtype {dtype}, the model's is {target.dtype}")
 
-    def apply(self, tensors: dict[str, torch.Tensor]) -> None:
+    def apply(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy checked tensors in. The caller holds the scheduler's step lock."""
         with torch.no_grad():
             for name, value in tensors.items():
                 self.targets[name].copy_(value)
+
+    def _commit(self, tensors: Mapping[str, torch.Tensor], weight_version: str | None) -> None:
+        """The only moment generation pauses: between two scheduler steps."""
+        with self._step_lock:
+            self.apply(tensors)
+            if weight_version is not None:
+                self._set_version(weight_version)
+
+    # --------------------------------------------------------- whole updates
+
+    def update(self, read: Callable[[], dict[str, torch.Tensor]], weight_version: str | None) -> int:
+        """Read a complete update (checked by ``read``) and commit it; returns the number of tensors."""
+        with self.lock:
+            tensors = read()
+            self._commit(tensors, weight_version)
+            return len(tensors)
+
+    # ------------------------------------------------------- bucketed updates
+
+    def update_bucket(
+        self,
+        read: Callable[[], dict[str, torch.Tensor]],
+        *,
+        weight_version: str | None,
+        bucket_index: int | None = None,
+    ) -> BucketOutcome:
+        """Take one bucket of a multi-bucket update: stage it, or (with ``weight_version``) commit all.
+
+        ``read`` receives and checks the bucket; it always runs, even for a bucket that
+        is refused, because a broadcast must be drained or the sender stays blocked.
+        """
+        with self.lock:
+            self._expire_if_idle()
+            refusal = self._refusal(bucket_index)
+            staged = self._staged
+            try:
+                tensors = read()
+                if refusal is not None:
+                    raise WeightUpdateError(refusal)
+                staged = staged or _StagedUpdate()
+                self._add(staged, tensors)
+            except BaseException as exc:
+                if self._staged is not None:
+                    self._discard(f"bucket {self._staged.buckets} failed: {exc}")
+                    if isinstance(exc, WeightUpdateError):
+                        raise WeightUpdateError(
+                            f"{exc}; the update's earlier buckets are discarded too"
+                        ) from exc
+                raise
+            if weight_version is None:
+                self._staged = staged
+                self._arm_timer()
+                return BucketOutcome(False, len(tensors), len(staged.tensors), staged.buckets)
+            self._staged = None
+            self._cancel_timer()
+            self._commit(staged.tensors, weight_version)
+            return BucketOutcome(True, len(tensors), len(staged.tensors), staged.buckets)
+
+    def _refusal(self, bucket_index: int | None) -> str | None:
+        """Why a bucket at this position cannot be taken (None: it can); may discard the staged update."""
+        staged = self._staged
+        if bucket_index == 0:
+            self._dropped = None
+            if staged is not None:
+                self._discard("a new update began (bucket_index 0) before its last bucket came")
+            return None
+        if bucket_index is not None:
+            have = staged.buckets if staged is not None else 0
+            if bucket_index == have:
+                return None
+            why = f" ({self._dropped})" if staged is None and self._dropped else ""
+            self._dropped = None
+            if staged is not None:
+                self._discard(f"bucket_index {bucket_index} arrived after {have} staged bucket(s)")
+            return (
+                f"bucket_index {bucket_index} does not continue the staged update, which holds {have} "
+                f"bucket(s){why}; the bucket is refused and nothing staged is kept; resend the update from "
+                "bucket_index 0"
+            )
+        if staged is None and self._dropped is not None:
+            why, self._dropped = self._dropped, None
+            return (
+                f"{why}. This bucket may be the rest of that update, so it is refused (once) rather than "
+                "committed alone; resend the whole update (sending bucket_index avoids this ambiguity)"
+            )
+        return None
+
+    def _add(self, staged: _StagedUpdate, tensors: Mapping[str, torch.Tensor]) -> None:
+        for name in tensors:
+            if name in staged.tensors:
+                raise WeightUpdateError(
+                    f"tensor {name!r} was already sent in bucket {staged.bucket_of[name]} of this update"
+                )
+        for name, value in tensors.items():
+            target = self.targets[name]
+            staged.tensors[name] = value.to(device=target.device, dtype=target.dtype)
+            staged.bucket_of[name] = staged.buckets
+            staged.nbytes += target.numel() * target.element_size()
+        staged.buckets += 1
+        staged.last_seen = time.monotonic()
+
+    def _discard(self, why: str, *, sender_told: bool = True) -> None:
+        staged, self._staged = self._staged, None
+        self._cancel_timer()
+        if staged is None:
+            return
+        message = f"staged weight update discarded ({staged.describe()}): {why}"
+        log.warning("%s; the model is unchanged", message)
+        if not sender_told:
+            self._dropped = message
+
+    def _expire_if_idle(self) -> None:
+        staged = self._staged
+        if staged is not None and time.monotonic() - staged.last_seen >= self.update_timeout_s:
+            self._discard(f"no bucket for update_timeout_s = {self.update_timeout_s:g} s", sender_told=False)
+
+    def _arm_timer(self, delay: float | None = None) -> None:
+        """Discard the staged update if no bucket follows in time (frees its memory without waiting)."""
+        self._cancel_timer()
+        self._timer_serial += 1
+        timer = threading.Timer(
+            self.update_timeout_s if delay is None else delay, self._on_timer, args=(self._timer_serial,)
+        )
+        timer.daemon = True
+        timer.name = "miles-weight-staging-timeout"
+        self._timer = timer
+        timer.start()
+
+    def _cancel_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _on_timer(self, serial: int) -> None:
+        with self.lock:
+            if serial != self._timer_serial or self._staged is None:
+                return  # a later bucket re-armed the timer, or the update is gone
+            self._expire_if_idle()
+            if self._staged is not None:  # woke a little early: wait for the rest
+                self._arm_timer(
+                    max(self.update_timeout_s - (time.monotonic() - self._staged.last_seen), 0.01)
+                )
+
+    def close(self) -> None:
+        """Drop any staged update and its timer (engine shutdown; does not wait for an update in flight)."""
+        self._staged = None
+        self._cancel_timer()
+
+    # ----------------------------------------------------------- disk delta
+
+    def update_from_delta(self, version: int, weight_version: str | None) -> int:
+        """Apply ``delta_root/v{version:06d}``; returns the number of changed tensors.
+
+        The delta is read and verified (index, base version, paths, sizes, digests of
+        base and result) while generation goes on; only the copy of the verified
+        tensors pauses it. The engine's version must be the delta's base, as an integer.
+        """
+        if self.delta_root is None:
+            raise WeightUpdateError(
+                "this engine was started without --delta-root, so it applies no disk deltas; start it with "
+                "--delta-root DIR (engine option delta_root) naming the directory the trainer publishes to"
+            )
+        from miles.weight_delta import DeltaError, read_delta
+
+        where = f"delta v{version:06d} under {str(self.delta_root)!r}"
+        with self.lock:
+            current = self._get_version()
+            try:
+                base = int(current)
+            except ValueError:
+                raise WeightUpdateError(
+                    f"{where}: the engine's weight version {current!r} is not an integer, so it names no delta "
+                    "base; give the engine an integer version (--weight-version, or a weight update's "
+                    "weight_version)"
+                ) from None
+            try:
+                new = read_delta(self.delta_root, version, _CpuTensors(self.unique), base)
+            except DeltaError as exc:
+                raise WeightUpdateError(f"{where} refused: {exc}") from exc
+            # read_delta verified the bytes; this verifies they fit the model as it is served.
+            try:
+                self.check(((n, t.shape, t.dtype) for n, t in new.items()), exact_dtype=True)
+            except WeightUpdateError as exc:
+                raise WeightUpdateError(f"{where} refused: {exc}") from exc
+            self._commit(new, weight_version if weight_version is not None else str(version))
+            return len(new)
+
+    # ------------------------------------------------------- weights checker
+
+    def _resolve_skip(self, skip: Sequence[str]) -> set[str]:
+        unknown = sorted(n for n in skip if n not in self.canonical)
+        if unknown:
+            raise WeightUpdateError(
+                f"skip names tensors this model does not have: {unknown[:5]} (names are the model's state_dict "
+                f"names, e.g. {next(iter(self.canonical), '')!r})"
+            )
+        return {self.canonical[n] for n in skip}
+
+    def reset_tensors(self, skip: Sequence[str] = (), seed: int = 0) -> tuple[list[str], list[str]]:
+        """Fill every floating-point tensor not in ``skip`` with standard-normal noise from ``seed``.
+
+        Returns ``(reset, untouched)`` names. The weight version is left as it is. Meant
+        for the weight-equality check: a later update that misses a tensor leaves noise.
+        """
+        skipped = self._resolve_skip(skip)
+        gen = torch.Generator().manual_seed(int(seed))
+        reset: list[str] = []
+        untouched: list[str] = []
+        with self.lock, self._step_lock, torch.no_grad():
+            for name, tensor in self.unique.items():
+                if name in skipped or not tensor.is_floating_point():
+                    untouched.append(name)
+                    continue
+                tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float32))
+                reset.append(name)
+        log.warning("weights checker: %d tensors filled with random values (seed %d)", len(reset), seed)
+        return reset, untouched
+
+    def checksums(self, skip: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+        """``{name: {dtype, shape, digest}}`` of every state-dict tensor not in ``skip`` (tied ones once)."""
+        from miles.engines.digest import tensor_digest
+
+        skipped = self._resolve_skip(skip)
+        with self.lock:  # updates wait; generation goes on (it never writes weights)
+            return {
+                name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "digest": tensor_digest(t)}
+                for name, t in self.unique.items()
+                if name not in skipped
+            }
 
     # ----------------------------------------------------------------- disk
 
@@ -190,19 +556,44 @@ class WeightUpdater:
             self.check(zip(names, shapes, parsed, strict=True))
         except WeightUpdateError as exc:
             problem = exc
-        staging: dict[str, torch.Tensor] = {}
+        received: dict[str, torch.Tensor] = {}
         for name, shape, dtype in zip(names, shapes, parsed, strict=True):
             buf = torch.empty([int(s) for s in shape], dtype=dtype, device=group.device)
             group.broadcast(buf, src=0)
-            staging[name] = buf
+            received[name] = buf
         if problem is not None:
             raise WeightUpdateError(
                 f"{problem} (the broadcast was received and discarded; the model is unchanged)"
             )
-        return staging
+        return received
 
     def describe(self) -> dict[str, Any]:
+        staged = self._staged
         return {
             "groups": sorted(self.groups),
             "handoff_dir": str(self.handoff_dir) if self.handoff_dir else None,
+            "delta_root": str(self.delta_root) if self.delta_root else None,
+            "update_timeout_s": self.update_timeout_s,
+            "staged_update": None
+            if staged is None
+            else {"buckets": staged.buckets, "tensors": len(staged.tensors), "bytes": staged.nbytes},
         }
+
+
+def _dedupe(targets: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(unique, canonical)``: one entry per distinct tensor (first name wins) and every name -> that name.
+
+    Two names are aliases when they are the same memory: same start, dtype, shape and strides.
+    """
+    unique: dict[str, torch.Tensor] = {}
+    canonical: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for name, t in targets.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if t.numel() > 0 and key in first:  # empty tensors may share a null pointer without being aliases
+            canonical[name] = first[key]
+            continue
+        first[key] = name
+        unique[name] = t
+        canonical[name] = name
+    return unique, canonical
