@@ -8,8 +8,8 @@ weights and, before every update, takes one AdamW step at a small learning rate 
 random gradient (the first AdamW step moves each weight by lr·sign(g): m̂/√v̂ = g/|g|),
 then sends the bf16 weights through each transport in turn:
 
-* ``full``: the baseline: save a full safetensors checkpoint, the engine reloads it
-  (``/update_weights_from_disk``);
+* ``full``: the baseline: save a full safetensors checkpoint (fsynced, as the delta's files
+  are), the engine reloads it (``/update_weights_from_disk``);
 * ``broadcast``: torch.distributed broadcast over gloo into the engine, bucketed;
 * ``p2p``: Mooncake TransferEngine writes over TCP into the engine's registered buffer;
 * ``disk-delta-xor`` / ``disk-delta-overwrite``: only the changed bytes, published to disk.
@@ -136,6 +136,13 @@ def run_full(url: str, trainer: Trainer, work: Path, version: int) -> tuple[floa
     state.pop("lm_head.weight", None)  # tied to the embedding
     save_file(state, str(ckpt / "model.safetensors"))
     shutil.copy(work / "model" / "config.json", ckpt / "config.json")
+    # Durable, like the delta's files (each fsynced before its index): a publish must survive a crash.
+    for name in ("model.safetensors", "config.json"):
+        fd = os.open(ckpt / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     with SyncEngineClient(url, timeout=600) as client:
         client.update_weights_from_disk(str(ckpt), weight_version=str(version))
     seconds = time.perf_counter() - t0
@@ -196,7 +203,7 @@ def bench_method(method: str, args, work: Path, model_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)

@@ -31,3 +31,15 @@ def test_disk_delta_run_with_the_fsdp_backend(small_run) -> None:
         assert row["weight_sync/bytes"] > 0
     versions = sorted(os.listdir(os.path.join(result.run_dir, "weight_deltas")))
     assert versions[-1] == "v000003" and len(versions) <= 3  # older versions are pruned
+
+
+def test_p2p_run_with_the_fsdp_backend(small_run) -> None:
+    pytest.importorskip(
+        "mooncake.engine", reason="mooncake (miles-transports[p2p]) and libibverbs.so.1 are needed"
+    )
+    result = train(
+        small_run("transport=p2p", "engine.num_engines=2", "weight_sync.options={bucket_mb: 0.25}")
+    )
+    rows = _rows(result.metrics_path)
+    assert [r["engine/weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(r["weight_sync/buckets"] > 1 and r["weight_sync/bytes"] > 0 for r in rows)

@@ -538,6 +538,10 @@ def create_app(engine: Any) -> FastAPI:
             untouched=untouched,
         )
 
+    # Peer-to-peer weight transfer (Mooncake); the package is imported only when a client uses it.
+    from miles.engines.embedded.p2p_routes import p2p_router
+
+    app.include_router(p2p_router(engine))
     return app
 
 
