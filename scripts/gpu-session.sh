@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine session: the GPU tests, then the default recipe end to end on CUDA.
+# One GPU-machine session: the GPU tests, the NCCL broadcast benchmark, then the default recipe on CUDA.
 # Usage there: OUT=<dir> scripts/gpu-session.sh   (carry .whl built by scripts/gpu-wheels.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -7,6 +7,7 @@ OUT=${OUT:-/tmp/miles-gpu}
 mkdir -p "$OUT"
 bash scripts/gpu-tests.sh 2>&1 | tee "$OUT/gpu-tests.log"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} MILES_CACHE_DIR=/tmp/miles-cache HF_HUB_OFFLINE=1
+python3 benchmarks/nccl_broadcast.py --out "$OUT" 2>&1 | grep -v "Loading weights\|Writing model" | tee "$OUT/nccl-broadcast.log"
 start=$(date +%s.%N)
 python3 -m miles run --set run.output_dir=/tmp/miles-gpu-runs --overwrite \
     --set engine.device=cuda --set fsdp.device=cuda --set tracking.tensorboard=false \

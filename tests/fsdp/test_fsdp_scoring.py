@@ -68,3 +68,20 @@ def test_scoring_something_the_trainer_was_not_built_for_is_refused(tiny_model, 
     backend = backend_factory(make_spec(tiny_model, 1, loss="ppo_clip"))
     with pytest.raises(RankFailedError, match="cannot score"):
         backend.score(make_batch(2).samples, ["values"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_scoring_pass_and_critic_step(tiny_model, teacher_model, backend_factory):
+    spec = _spec(tiny_model, teacher_model, 1)
+    spec.options["fsdp"]["device"] = "cuda"
+    batch = make_batch(4, seed=5)
+    backend = backend_factory(spec)
+    scores = backend.score(batch.samples, ["ref_logprobs", "values"])
+    for got, want in zip(scores["ref_logprobs"], hf_token_logprobs(tiny_model, batch, 0.7), strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    for sample, ref, values in zip(batch.samples, scores["ref_logprobs"], scores["values"], strict=True):
+        sample.token_scores.update(ref_logprobs=ref, values=values)
+    returns = [[1.0] * len(s.response_ids) for s in batch.samples]
+    metrics = backend.train_step(TrainBatch(batch.samples, batch.advantages, 0, returns=returns))
+    assert metrics["critic/value_loss"] == pytest.approx(0.5) and metrics["critic/grad_norm"] > 0
