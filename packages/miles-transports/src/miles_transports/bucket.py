@@ -144,9 +144,9 @@ class BucketedTransport(abc.ABC):
         if self.rank < 0:
             raise RuntimeError(f"{type(self).__name__}.send called before connect")
         t0 = time.perf_counter()
-        if self.rank != 0 or not self.engine_urls:
+        if not self._delivers():
             # Producing the stream is a collective on the trainer ranks (shards are gathered),
-            # so every rank must consume it even though only rank 0 talks to engines.
+            # so every rank must consume it even though only some (rank 0 by default) talk to engines.
             for _ in named_tensors:
                 pass
             return TransportStats(bytes_sent=0, seconds=time.perf_counter() - t0, buckets=0, version=version)
@@ -156,13 +156,14 @@ class BucketedTransport(abc.ABC):
         try:
             prepared = self._prepared(stream)
             if check is not None:
-                engines = EngineFanout(self.engine_urls, timeout_s=600.0, name="miles-weight-check")
+                engines = EngineFanout(self._check_urls(), timeout_s=600.0, name="miles-weight-check")
                 check.prepare(engines, randomize=self.check_randomizes)
                 prepared = check.observe(prepared)
             sent, buckets, metrics = self._deliver(prepared, version)
             if check is not None and engines is not None:
                 check.verify(engines)
         except Exception:
+            self._abort()
             # Keep step with the other trainer ranks (they are gathering the rest of the stream),
             # so a refused update fails this call without leaving anyone stuck in a collective.
             for _ in stream:
@@ -187,6 +188,18 @@ class BucketedTransport(abc.ABC):
         self.engine_urls = []
 
     # ------------------------------------------------------------ subclass
+
+    def _delivers(self) -> bool:
+        """Whether this rank talks to engines (rank 0 by default; P2P: every rank with planned targets)."""
+        return self.rank == 0 and bool(self.engine_urls)
+
+    def _check_urls(self) -> list[str]:
+        """The engines this rank's weight-equality check compares: the ones it delivers to."""
+        return self.engine_urls
+
+    def _abort(self) -> None:
+        """After a failed update, before the rest of the stream is drained (e.g. wait for writes in flight)."""
+        return None
 
     def _deliver(
         self, prepared: Iterator[tuple[str, torch.Tensor]], version: int

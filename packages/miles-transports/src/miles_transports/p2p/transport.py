@@ -38,7 +38,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,9 +49,7 @@ import httpx
 from miles.engines.client import EngineCall, SyncEngineClient
 from miles.engines.embedded.p2p import HANDSHAKE, PROTOCOLS, P2PError, load_transfer_engine
 from miles.errors import ConfigError, EngineError
-from miles.interfaces import TransportStats
 from miles_transports.bucket import Bucket, BucketedTransport, MiB, iter_buckets, tensor_nbytes
-from miles_transports.fanout import EngineFanout
 from miles_transports.p2p.plan import plan_transfers
 
 if TYPE_CHECKING:
@@ -179,59 +177,34 @@ class P2PTransport(BucketedTransport):
         if self.plan[rank]:
             self._open()
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> TransportStats:
-        if self.rank < 0:
-            raise RuntimeError("P2PTransport.send called before connect")
-        t0 = time.perf_counter()
-        stream = iter(named_tensors)
-        check, self._check = self._check, None  # the equality check runs around the first update only
-        if not self.targets:
-            # Draining is a collective on the trainer ranks (shards are gathered): idle sources take part.
-            for _ in stream:
-                pass
-            return TransportStats(bytes_sent=0, seconds=time.perf_counter() - t0, buckets=0, version=version)
+    # --------------------------------------------- BucketedTransport hooks
+
+    def _delivers(self) -> bool:
+        return bool(self.targets)
+
+    def _check_urls(self) -> list[str]:
+        return [t.url for t in self.targets]  # each source checks the engines it feeds
+
+    def _abort(self) -> None:
+        self._settle(quiet=True)
+
+    def _deliver(
+        self, prepared: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> tuple[int, int, dict[str, float]]:
+        if self._broken is not None:
+            raise EngineError(f"p2p transport: not usable since {self._broken}; close and connect it again")
         self._counters = {"wire_bytes": 0.0, "model_bytes": 0.0, "write_s": 0.0, "apply_s": 0.0}
-        buckets = 0
-        engines: EngineFanout | None = None
-        try:
-            if self._broken is not None:
-                raise EngineError(
-                    f"p2p transport: not usable since {self._broken}; close and connect it again"
-                )
-            prepared = self._prepared(stream)
-            if check is not None:  # each source checks the engines it feeds
-                engines = EngineFanout([t.url for t in self.targets], self.timeout_s, name="miles-p2p-check")
-                check.prepare(engines)
-                prepared = check.observe(prepared)
-            buckets = self._stream_buckets(prepared, version)
-            if check is not None and engines is not None:
-                check.verify(engines)
-        except Exception:
-            self._settle(quiet=True)
-            # Keep step with the other trainer ranks, still gathering the rest of the stream.
-            for _ in stream:
-                pass
-            raise
-        finally:
-            if engines is not None:
-                engines.close()
-        if buckets == 0:
-            raise RuntimeError(f"P2PTransport: no tensors to send for weight version {version}")
+        buckets = self._stream_buckets(prepared, version)
         c = self._counters
-        return TransportStats(
-            bytes_sent=int(c["wire_bytes"]),
-            seconds=time.perf_counter() - t0,
-            buckets=buckets,
-            version=version,
-            metrics={
-                "p2p_targets": float(len(self.targets)),
-                "p2p_model_bytes": c["model_bytes"],
-                # Every engine receives the whole model once, whichever rank sends it.
-                "p2p_fleet_bytes": c["model_bytes"] * len(self.engine_urls),
-                "p2p_write_s": c["write_s"],
-                "p2p_apply_s": c["apply_s"],
-            },
-        )
+        metrics = {
+            "p2p_targets": float(len(self.targets)),
+            "p2p_model_bytes": c["model_bytes"],
+            # Every engine receives the whole model once, whichever rank sends it.
+            "p2p_fleet_bytes": c["model_bytes"] * len(self.engine_urls),
+            "p2p_write_s": c["write_s"],
+            "p2p_apply_s": c["apply_s"],
+        }
+        return int(c["wire_bytes"]), buckets, metrics
 
     def close(self) -> None:
         try:
@@ -355,8 +328,10 @@ class P2PTransport(BucketedTransport):
         self._counters["model_bytes"] += bucket.nbytes
         *first, last = self.targets
         for target in first:
-            self._deliver(target, packed, bucket, version)
-        future = _in_thread(lambda: self._deliver(last, packed, bucket, version), name="miles-p2p-last")
+            self._write_and_apply(target, packed, bucket, version)
+        future = _in_thread(
+            lambda: self._write_and_apply(last, packed, bucket, version), name="miles-p2p-last"
+        )
         self._pending = _Pending(future, last, bucket.index)
 
     def _pack(self, bucket: Bucket) -> _Packed:
@@ -381,7 +356,7 @@ class P2PTransport(BucketedTransport):
             span=end,
         )
 
-    def _deliver(self, target: _Target, packed: _Packed, bucket: Bucket, version: int) -> None:
+    def _write_and_apply(self, target: _Target, packed: _Packed, bucket: Bucket, version: int) -> None:
         """Write the packed bucket into ``target``'s buffer, then have it apply the bucket."""
         where = f"p2p transport: bucket {bucket.index} to engine {target.url}"
         t0 = time.perf_counter()
