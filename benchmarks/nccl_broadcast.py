@@ -9,7 +9,8 @@ Three numbers, in one invocation:
    the ceiling any NCCL-based transport can reach;
 3. the broadcast transport end to end: a ~1.7B-parameter bf16 Qwen3-shaped model streamed from
    cuda:0 into an embedded engine on cuda:1 (512 MB buckets, HTTP per bucket, the engine's staged
-   commit), median of 5 updates, as bytes per second.
+   commit), median of 5 updates, as bytes per second; ``--flatten`` sends each bucket as one
+   broadcast of its bytes (what a run with the embedded engine does) instead of one per tensor.
 
 Reported: each bandwidth in GB/s and the transport's fraction of (1) and of (2).
 """
@@ -107,7 +108,7 @@ def build_model(path: Path) -> None:
     AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen3")).save_pretrained(path)
 
 
-def transport_throughput(work: Path, updates: int, bucket_mb: float) -> dict:
+def transport_throughput(work: Path, updates: int, bucket_mb: float, flatten: bool) -> dict:
     from safetensors.torch import load_file
 
     from miles.engines.launchers import EmbeddedLauncher
@@ -124,7 +125,7 @@ def transport_throughput(work: Path, updates: int, bucket_mb: float) -> dict:
     opts = {"device": "cuda:1", "dtype": "bfloat16", "startup_timeout_s": 600}
     try:
         [url] = launcher.launch([EngineSpec(model_path=str(model_dir), options=opts)], str(work / "logs"))
-        transport = BroadcastTransport(bucket_mb=bucket_mb, backend="nccl")
+        transport = BroadcastTransport(bucket_mb=bucket_mb, backend="nccl", flatten=flatten)
         transport.connect([url], rank=0, world_size=1, device="cuda:0")
         times = []
         try:
@@ -138,6 +139,8 @@ def transport_throughput(work: Path, updates: int, bucket_mb: float) -> dict:
         launcher.shutdown()
     median = statistics.median(times[1:])  # the first update also sets up NCCL's buffers
     return {
+        "flatten": flatten,
+        "bucket_mb": bucket_mb,
         "params": sum(t.numel() for t in weights.values()),
         "bytes": nbytes,
         "seconds": times,
@@ -151,6 +154,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=512)
+    parser.add_argument("--flatten", action="store_true", help="one broadcast per bucket (what runs use)")
     args = parser.parse_args()
     import torch
 
@@ -161,7 +165,7 @@ def main() -> None:
     nccl = nccl_bandwidth()
     print(f"raw NCCL broadcast: {nccl:.1f} GB/s", flush=True)
     work = Path(tempfile.mkdtemp(prefix="miles-nccl-"))
-    result = transport_throughput(work, args.updates, args.bucket_mb)
+    result = transport_throughput(work, args.updates, args.bucket_mb, args.flatten)
     print(f"broadcast transport: {result['gb_per_s']:.1f} GB/s", flush=True)
     out = {
         "date": time.strftime("%Y-%m-%d"),
@@ -175,9 +179,8 @@ def main() -> None:
         "transport_fraction_of_nccl": result["gb_per_s"] / nccl,
     }
     os.makedirs(args.out, exist_ok=True)
-    name = (
-        "nccl_broadcast.json" if args.bucket_mb == 512 else f"nccl_broadcast_bucket{int(args.bucket_mb)}.json"
-    )
+    name = "nccl_broadcast" + ("" if args.bucket_mb == 512 else f"_bucket{int(args.bucket_mb)}")
+    name += "_flat.json" if args.flatten else ".json"
     Path(args.out, name).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "transport"}, indent=2))
 

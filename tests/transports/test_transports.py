@@ -157,10 +157,15 @@ def test_colocated_refusal_names_the_engine_and_leaves_no_file(engines, engine_m
 
 
 @pytest.mark.slow
-def test_broadcast_update_reaches_every_engine(engines, engine_model):
+@pytest.mark.parametrize("flatten", [False, True], ids=["per-tensor", "flat"])
+def test_broadcast_update_reaches_every_engine(engines, engine_model, flatten):
     weights = new_weights(engine_model, seed=2)
-    model = reference_model(engine_model, weights)
-    transport = BroadcastTransport(bucket_mb=SMALL_BUCKET_MB, timeout_s=60)
+    # Mixed dtypes make the flat layout's alignment matter (a bf16 tensor of odd size before fp32 ones).
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.bfloat16)
+    model = reference_model(
+        engine_model, {**weights, "model.norm.weight": weights["model.norm.weight"].float()}
+    )
+    transport = BroadcastTransport(bucket_mb=SMALL_BUCKET_MB, timeout_s=60, flatten=flatten)
     transport.connect(engines, rank=0, world_size=1, device="cpu")
     try:
         stats = transport.send(iter(weights.items()), version=7)
@@ -254,3 +259,12 @@ def test_a_refused_update_fails_the_call_but_leaves_the_trainer_usable(engines, 
         assert served != 50
     finally:
         backend.shutdown()
+
+
+def test_flat_layout_aligns_every_tensor():
+    from miles.engines.weight_group import FLAT_ALIGN, flat_layout
+
+    offsets, total = flat_layout([6, 0, 300, 4])
+    # 6 bytes at 0; the empty tensor and the next start at the next 256-byte boundary; and so on.
+    assert offsets == [0, 256, 256, 768] and total == 772
+    assert all(o % FLAT_ALIGN == 0 for o in offsets)

@@ -20,6 +20,7 @@ import uuid
 from concurrent.futures import wait
 from typing import Any
 
+from miles.engines.weight_group import FLAT_LOAD_FORMAT, flat_layout
 from miles.errors import ConfigError, EngineError
 from miles_transports.bucket import Bucket, BucketedTransport
 from miles_transports.fanout import EngineFanout
@@ -44,6 +45,7 @@ class BroadcastTransport(BucketedTransport):
         ranks_per_engine: int = 1,
         group_name: str | None = None,
         timeout_s: float = 600.0,
+        flatten: bool = False,
         **checks: Any,  # check_equal / check_mode / check_skip: the weight-equality check (BucketedTransport)
     ) -> None:
         super().__init__(bucket_mb=bucket_mb, dtype=dtype, **checks)
@@ -59,6 +61,9 @@ class BroadcastTransport(BucketedTransport):
         self.ranks_per_engine = ranks_per_engine
         self.group_name = group_name or f"miles-weights-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
+        # One broadcast of each bucket's bytes instead of one per tensor (a Miles engine extension;
+        # the run turns it on for the embedded engine, stock SGLang needs it off).
+        self.flatten = flatten
         self._group: Any = None
         self._engines: EngineFanout | None = None
 
@@ -137,11 +142,15 @@ class BroadcastTransport(BucketedTransport):
             group_name=self.group_name,
             weight_version=version if bucket.last else None,
             flush_cache=bucket.last,
+            load_format=FLAT_LOAD_FORMAT if self.flatten else None,
         )
         broadcast_error: BaseException | None = None
         try:
-            for _, tensor in bucket.tensors:
-                self._group.broadcast(tensor, src=0)
+            if self.flatten:
+                self._group.broadcast(_flat_bytes(bucket, self._group.device), src=0)
+            else:
+                for _, tensor in bucket.tensors:
+                    self._group.broadcast(tensor, src=0)
         except Exception as exc:  # the engines' answers usually say why the group broke
             broadcast_error = exc
         try:
@@ -166,3 +175,16 @@ class BroadcastTransport(BucketedTransport):
                 group.destroy()
             if engines is not None:
                 engines.close()
+
+
+def _flat_bytes(bucket: Bucket, device: str) -> Any:
+    """The bucket's tensors as one byte buffer, laid out as ``flat_layout`` says (what the engine expects)."""
+    import torch
+
+    sizes = [t.numel() * t.element_size() for _, t in bucket.tensors]
+    offsets, total = flat_layout(sizes)
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    for (_, tensor), offset, n in zip(bucket.tensors, offsets, sizes, strict=True):
+        if n:
+            buf[offset : offset + n].copy_(tensor.reshape(-1).view(torch.uint8))
+    return buf

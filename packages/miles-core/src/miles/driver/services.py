@@ -31,6 +31,9 @@ def rollout_engines(
     transport_options: dict[str, Any] = {"bucket_mb": ws.bucket_mb, **ws.options}
     if ws.check_equal:
         transport_options.update(check_equal=True, check_mode=ws.check_mode, check_skip=list(ws.check_skip))
+    if config.transport == "broadcast" and eng.launcher == "embedded":
+        # The embedded engine takes a bucket as one broadcast of its bytes; SGLang needs one per tensor.
+        transport_options.setdefault("flatten", True)
     with contextlib.ExitStack() as stack:
         options: dict[str, Any] = {
             "device": eng.device,

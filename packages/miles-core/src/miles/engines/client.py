@@ -212,6 +212,7 @@ def update_from_distributed_call(
     weight_version: int | str | None = None,
     flush_cache: bool = True,
     bucket_index: int | None = None,
+    load_format: str | None = None,
 ) -> EngineCall:
     if not len(names) == len(dtypes) == len(shapes):
         raise EngineError(
@@ -226,6 +227,8 @@ def update_from_distributed_call(
         "group_name": group_name,
         "flush_cache": flush_cache,
     }
+    if load_format is not None:
+        body["load_format"] = load_format
     _with_bucket_index(body, bucket_index, "update_weights_from_distributed")
     return EngineCall("POST", "/update_weights_from_distributed", _with_version(body, weight_version))
 
@@ -736,11 +739,19 @@ class SGLangClient:
         flush_cache: bool = True,
         *,
         bucket_index: int | None = None,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         """One bucket; the embedded engine stages it unless ``weight_version`` is set (the last bucket)."""
         return await self.call(
             update_from_distributed_call(
-                names, dtypes, shapes, group_name, weight_version, flush_cache, bucket_index=bucket_index
+                names,
+                dtypes,
+                shapes,
+                group_name,
+                weight_version,
+                flush_cache,
+                bucket_index=bucket_index,
+                load_format=load_format,
             )
         )
 
@@ -922,10 +933,18 @@ class SyncEngineClient:
         flush_cache: bool = True,
         *,
         bucket_index: int | None = None,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         return self.call(
             update_from_distributed_call(
-                names, dtypes, shapes, group_name, weight_version, flush_cache, bucket_index=bucket_index
+                names,
+                dtypes,
+                shapes,
+                group_name,
+                weight_version,
+                flush_cache,
+                bucket_index=bucket_index,
+                load_format=load_format,
             )
         )
 

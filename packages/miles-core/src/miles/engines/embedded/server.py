@@ -504,8 +504,16 @@ def create_app(engine: Any) -> FastAPI:
             return _fail(
                 f"no weight group {body.group_name!r} (groups: {known}); call /init_weights_update_group"
             )
+        from miles.engines.weight_group import FLAT_LOAD_FORMAT
+
+        if body.load_format not in (None, FLAT_LOAD_FORMAT):
+            return _fail(
+                f"load_format {body.load_format!r} is not supported here; use none (a broadcast per tensor) or "
+                f"{FLAT_LOAD_FORMAT!r} (one broadcast of the bucket's bytes)"
+            )
+        flat = body.load_format == FLAT_LOAD_FORMAT
         return await _bucket_update(
-            body, lambda: engine.weights.receive(group, body.names, body.dtypes, body.shapes)
+            body, lambda: engine.weights.receive(group, body.names, body.dtypes, body.shapes, flat=flat)
         )
 
     @app.post("/destroy_weights_update_group")

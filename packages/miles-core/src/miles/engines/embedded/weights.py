@@ -67,6 +67,7 @@ appear once, under the first name in ``state_dict`` order: the name
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -544,8 +545,15 @@ class WeightUpdater:
     # ----------------------------------------------------------- distributed
 
     def receive(
-        self, group: WeightGroup, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+        self,
+        group: WeightGroup,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        flat: bool = False,
     ) -> dict[str, torch.Tensor]:
+        """Receive one bucket: a broadcast per tensor, or one of all its bytes (``flat``, see ``flat_layout``)."""
         if not len(names) == len(dtypes) == len(shapes):
             raise WeightUpdateError(
                 f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: one each per tensor is required"
@@ -557,10 +565,23 @@ class WeightUpdater:
         except WeightUpdateError as exc:
             problem = exc
         received: dict[str, torch.Tensor] = {}
-        for name, shape, dtype in zip(names, shapes, parsed, strict=True):
-            buf = torch.empty([int(s) for s in shape], dtype=dtype, device=group.device)
+        if flat:
+            from miles.engines.weight_group import flat_layout
+
+            sizes = [
+                math.prod(int(s) for s in shape) * dtype.itemsize
+                for shape, dtype in zip(shapes, parsed, strict=True)
+            ]
+            offsets, total = flat_layout(sizes)
+            buf = torch.empty(total, dtype=torch.uint8, device=group.device)
             group.broadcast(buf, src=0)
-            received[name] = buf
+            for name, shape, dtype, off, n in zip(names, shapes, parsed, offsets, sizes, strict=True):
+                received[name] = buf[off : off + n].view(dtype).view([int(s) for s in shape])
+        else:
+            for name, shape, dtype in zip(names, shapes, parsed, strict=True):
+                buf = torch.empty([int(s) for s in shape], dtype=dtype, device=group.device)
+                group.broadcast(buf, src=0)
+                received[name] = buf
         if problem is not None:
             raise WeightUpdateError(
                 f"{problem} (the broadcast was received and discarded; the model is unchanged)"
