@@ -9,7 +9,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.slow
-def test_nccl_broadcast_from_fsdp_to_an_engine_on_another_gpu(engine_model, tmp_path):
+@pytest.mark.parametrize("flatten", [False, True], ids=["per-tensor", "flat"])
+def test_nccl_broadcast_from_fsdp_to_an_engine_on_another_gpu(engine_model, tmp_path, flatten):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (trainer on cuda:0, engine on cuda:1)")
     from fsdp.helpers import make_batch, make_spec
@@ -32,7 +33,7 @@ def test_nccl_broadcast_from_fsdp_to_an_engine_on_another_gpu(engine_model, tmp_
             1,
             transport="broadcast",
             engine_urls=urls,
-            transport_options={"bucket_mb": 0.01},
+            transport_options={"bucket_mb": 0.01, "flatten": flatten, "check_equal": True},
             train={"lr": 1e-2},
             fsdp={"device": "cuda"},
         )
