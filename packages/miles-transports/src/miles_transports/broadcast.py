@@ -17,6 +17,7 @@ import contextlib
 import socket
 import threading
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import wait
 from typing import Any
 
@@ -46,9 +47,18 @@ class BroadcastTransport(BucketedTransport):
         group_name: str | None = None,
         timeout_s: float = 600.0,
         flatten: bool = False,
-        **checks: Any,  # check_equal / check_mode / check_skip: the weight-equality check (BucketedTransport)
+        # The weight-equality check (see weight_check.py); explicit, so a misspelt option is refused.
+        check_equal: bool = False,
+        check_mode: str = "exact",
+        check_skip: Sequence[str] = (),
     ) -> None:
-        super().__init__(bucket_mb=bucket_mb, dtype=dtype, **checks)
+        super().__init__(
+            bucket_mb=bucket_mb,
+            dtype=dtype,
+            check_equal=check_equal,
+            check_mode=check_mode,
+            check_skip=check_skip,
+        )
         if backend not in (None, "gloo", "nccl"):
             raise ConfigError(
                 f"broadcast transport: backend must be gloo, nccl or null (auto), got {backend!r}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from typing import Any
+from collections.abc import Sequence
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles.errors import ConfigError
@@ -47,9 +47,18 @@ class ColocatedTransport(BucketedTransport):
         dtype: str | None = None,
         handoff_dir: str | None = None,
         timeout_s: float = 600.0,
-        **checks: Any,  # check_equal / check_mode / check_skip: the weight-equality check (BucketedTransport)
+        # The weight-equality check (see weight_check.py); explicit, so a misspelt option is refused.
+        check_equal: bool = False,
+        check_mode: str = "exact",
+        check_skip: Sequence[str] = (),
     ) -> None:
-        super().__init__(bucket_mb=bucket_mb, dtype=dtype, **checks)
+        super().__init__(
+            bucket_mb=bucket_mb,
+            dtype=dtype,
+            check_equal=check_equal,
+            check_mode=check_mode,
+            check_skip=check_skip,
+        )
         self.handoff_dir = handoff_dir
         self.timeout_s = timeout_s
         self._engines: EngineFanout | None = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles.errors import ConfigError
@@ -49,9 +49,18 @@ class DiskDeltaTransport(BucketedTransport):
         dtype: str | None = None,
         timeout_s: float = 600.0,
         bucket_mb: float = 512,  # accepted for a uniform weight_sync section; deltas are not bucketed
-        **checks: Any,  # check_equal / check_mode / check_skip: the weight-equality check
+        # The weight-equality check (see weight_check.py); explicit, so a misspelt option is refused.
+        check_equal: bool = False,
+        check_mode: str = "exact",
+        check_skip: Sequence[str] = (),
     ) -> None:
-        super().__init__(bucket_mb=bucket_mb, dtype=dtype, **checks)
+        super().__init__(
+            bucket_mb=bucket_mb,
+            dtype=dtype,
+            check_equal=check_equal,
+            check_mode=check_mode,
+            check_skip=check_skip,
+        )
         if not delta_dir:
             raise ConfigError(
                 "disk-delta transport: delta_dir is required (the run sets it to <run>/weight_deltas unless "

@@ -38,7 +38,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -147,9 +147,18 @@ class P2PTransport(BucketedTransport):
         timeout_s: float = 120.0,
         local_hostname: str | None = None,
         device_name: str = "",
-        **checks: Any,  # check_equal / check_mode / check_skip: the weight-equality check
+        # The weight-equality check (see weight_check.py); explicit, so a misspelt option is refused.
+        check_equal: bool = False,
+        check_mode: str = "exact",
+        check_skip: Sequence[str] = (),
     ) -> None:
-        super().__init__(bucket_mb=bucket_mb, dtype=dtype, **checks)
+        super().__init__(
+            bucket_mb=bucket_mb,
+            dtype=dtype,
+            check_equal=check_equal,
+            check_mode=check_mode,
+            check_skip=check_skip,
+        )
         if protocol not in PROTOCOLS:
             raise ConfigError(f"p2p transport: protocol must be one of {list(PROTOCOLS)}, got {protocol!r}")
         if not timeout_s > 0:
