@@ -97,11 +97,16 @@ def iter_buckets(
         yield current
 
 
-class BucketedTransport(abc.ABC):
-    """Base of the transports: every rank drains the stream; rank 0 sends it bucket by bucket.
+class StreamTransport(abc.ABC):
+    """Base of the transports: every rank drains the weight stream; the delivering rank(s) send it.
 
-    Subclasses implement ``_open`` (rank 0, once), ``_send_bucket`` and ``_close``,
-    and say where a tensor must live before sending (``_target_device``).
+    It owns what every transport shares: the cast to the transport dtype, the opt-in
+    weight-equality check around the first update, draining the rest of the stream when an
+    update fails (the stream is a collective on the trainer ranks), and the stats.
+    Subclasses implement ``_open`` (a delivering rank, once), ``_deliver`` and ``_close``,
+    and say where a tensor must live before sending (``_target_device``). ``bucket_mb`` is
+    the size limit of the bucketed subclasses; the others accept it so that one
+    ``weight_sync`` section fits every transport.
     """
 
     # Whether the weight-equality check may randomise the engines before the first update.
@@ -201,28 +206,15 @@ class BucketedTransport(abc.ABC):
         """After a failed update, before the rest of the stream is drained (e.g. wait for writes in flight)."""
         return None
 
+    @abc.abstractmethod
     def _deliver(
         self, prepared: Iterator[tuple[str, torch.Tensor]], version: int
     ) -> tuple[int, int, dict[str, float]]:
-        """Rank 0: get the prepared stream to the engines; returns (bytes, buckets, extra metrics).
-
-        By default: bucket it and send each bucket (``_send_bucket``). A transport that does
-        not move buckets (disk-delta) overrides this instead.
-        """
-        sent = buckets = 0
-        for bucket in iter_buckets(prepared, self.bucket_bytes, expert_parallel=self.expert_parallel):
-            self._send_bucket(bucket, version)
-            sent += bucket.nbytes
-            buckets += 1
-        return sent, buckets, {}
+        """A delivering rank: get the prepared stream to the engines; returns (bytes, buckets, extra metrics)."""
 
     @abc.abstractmethod
     def _open(self) -> None:
         """Rank 0, once: connect to the engines (join a group, create a hand-off directory...)."""
-
-    @abc.abstractmethod
-    def _send_bucket(self, bucket: Bucket, version: int) -> None:
-        """Rank 0: deliver one bucket to every engine (one engine call per bucket)."""
 
     @abc.abstractmethod
     def _close(self) -> None:
@@ -245,3 +237,21 @@ class BucketedTransport(abc.ABC):
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             yield name, t.to(device).contiguous()
+
+
+class BucketedTransport(StreamTransport):
+    """A transport that moves the stream bucket by bucket: subclasses implement ``_send_bucket``."""
+
+    def _deliver(
+        self, prepared: Iterator[tuple[str, torch.Tensor]], version: int
+    ) -> tuple[int, int, dict[str, float]]:
+        sent = buckets = 0
+        for bucket in iter_buckets(prepared, self.bucket_bytes, expert_parallel=self.expert_parallel):
+            self._send_bucket(bucket, version)
+            sent += bucket.nbytes
+            buckets += 1
+        return sent, buckets, {}
+
+    @abc.abstractmethod
+    def _send_bucket(self, bucket: Bucket, version: int) -> None:
+        """Deliver one bucket to every engine this rank feeds (one engine call per bucket)."""

@@ -25,14 +25,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles.errors import ConfigError
-from miles_transports.bucket import BucketedTransport
+from miles_transports.bucket import StreamTransport
 from miles_transports.fanout import EngineFanout
 
 if TYPE_CHECKING:
     import torch
 
 
-class DiskDeltaTransport(BucketedTransport):
+class DiskDeltaTransport(StreamTransport):
     """``miles.interfaces.Transport`` publishing weight deltas to a shared directory (``transport: disk-delta``)."""
 
     # The rank calls ``seed`` with the freshly loaded weights right after ``connect``.
@@ -48,7 +48,7 @@ class DiskDeltaTransport(BucketedTransport):
         keep: int = 3,
         dtype: str | None = None,
         timeout_s: float = 600.0,
-        bucket_mb: float = 512,  # accepted for a uniform weight_sync section; deltas are not bucketed
+        bucket_mb: float = 512,  # accepted for a uniform weight_sync section; a delta is one whole version
         # The weight-equality check (see weight_check.py); explicit, so a misspelt option is refused.
         check_equal: bool = False,
         check_mode: str = "exact",
@@ -110,9 +110,6 @@ class DiskDeltaTransport(BucketedTransport):
             "delta_publish_s": stats.seconds,
         }
         return stats.file_bytes, 1, metrics
-
-    def _send_bucket(self, bucket: Any, version: int) -> None:  # pragma: no cover - _deliver replaces it
-        raise NotImplementedError("disk-delta publishes whole versions, not buckets")
 
     def _close(self) -> None:
         if self._engines is not None:

@@ -11,6 +11,7 @@ report the same metrics; they differ in what happens outside ``[low, high]``:
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING
 
 from miles.errors import ConfigError
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 LOG_RATIO_LIMIT = 20.0
 
 
-class _RatioCorrection:
+class _RatioCorrection(abc.ABC):
     """Shared body: the clamped ratio, its metrics, and weights from ``_weights``.
 
     ``r = exp(clamp(old_logprobs − rollout_logprobs, −20, 20))`` per token; ``±inf`` saturates
@@ -41,9 +42,9 @@ class _RatioCorrection:
         self.low = low
         self.high = high
 
+    @abc.abstractmethod
     def _weights(self, ratio: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
         """Per-token weights from the ratio; ``outside`` marks ratios outside ``[low, high]``."""
-        raise NotImplementedError
 
     def __call__(
         self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
