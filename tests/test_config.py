@@ -420,3 +420,31 @@ def test_a_selected_broken_plugin_fails_when_loaded(fake_site: FakeSite, pm) -> 
         "(entry point miles.rewards: broken_reward = miles_broken_plugin.reward:score): "
         "ModuleNotFoundError: No module named 'miles_nonexistent_dependency'"
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["schedule=fully_async", "placement.mode=colocated"],
+            "schedule 'fully_async' needs a disaggregated",
+        ),
+        (["schedule=fully_async", "transport=colocated"], "schedule 'fully_async' needs a disaggregated"),
+        (["transport=colocated", "placement.mode=disaggregated"], "transport 'colocated' hands weights over"),
+        (
+            ["schedule=fully_async", "fully_async.max_inflight=3", "rollout.n_samples_per_prompt=4"],
+            "max_inflight (3) must be at least rollout.n_samples_per_prompt (4)",
+        ),
+        (["schedule=fully_async", "rollout.max_rounds=3"], "leave max_rounds unset"),
+        (["mode=sft", "schedule=fully_async"], "mode 'sft' trains synchronously"),
+        (["eval={data: {path: x.jsonl}, mode: external}"], "needs eval.backend"),
+    ],
+)
+def test_schedule_and_placement_refusals(overrides: list[str], message: str, pm) -> None:
+    assert message in _problem(TINY, overrides, pm)
+
+
+def test_fully_async_on_a_disaggregated_placement_is_accepted(pm) -> None:
+    config = load_recipe(TINY, ["schedule=fully_async", "fully_async.replacement=group"], pm=pm)
+    assert config.placement.resolved_mode(config.transport) == "disaggregated"
+    assert config.fully_async.update_mode == "retract"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine.helpers import full_forward_logprobs, greedy_local, load_local, make_tiny_qwen3, running_engine
-from miles.engines.client import SGLangClient, SyncEngineClient
+from miles.engines.client import SGLangClient, SyncEngineClient, parse_generate_response
 from miles.errors import EngineError
 from miles.types import SamplingParams
 
@@ -265,3 +265,27 @@ def test_status_endpoints(url: str) -> None:
     out = client.generate([1, 2], SamplingParams(max_new_tokens=1))
     assert out.weight_version == 4
     client.update_weight_version(0)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_request_spanning_a_weight_update_reports_each_tokens_version(url: str, mode: str) -> None:
+    client = SyncEngineClient(url)
+    start = client.weight_version()
+    results: dict = {}
+    t = _long_request(url, f"span-{mode}", results, max_new_tokens=300)
+    _wait_running(url)
+    client.pause_generation(mode)
+    try:
+        client.update_weight_version(start + 1)
+    finally:
+        client.continue_generation()
+    t.join(timeout=60)
+    out = results[f"span-{mode}"]
+    versions = out["meta_info"]["output_token_weight_versions"]
+    assert len(versions) == len(out["output_ids"]) == 300
+    assert versions == sorted(versions), "versions must not go back in time within a request"
+    assert versions[0] == start and versions[-1] == start + 1, versions[:3] + versions[-3:]
+    assert out["meta_info"]["weight_version"] == str(start + 1)
+    # The client keeps the per-token versions, so staleness is measured from the oldest token.
+    parsed = parse_generate_response(out, prompt_len=3)
+    assert parsed.token_versions() == versions

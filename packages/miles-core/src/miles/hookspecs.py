@@ -149,3 +149,12 @@ def miles_on_weights_updated(version: int, stats: TransportStats) -> None:
 @hookspec
 def miles_on_metrics(step: int, metrics: dict[str, float]) -> None:
     """The metrics of one finished step (driver). Trackers (W&B, MLflow, ...) plug in here."""
+
+
+@hookspec
+def miles_on_eval(step: int, metrics: dict[str, float]) -> None:
+    """An evaluation of the weights trained by ``step`` finished (driver), possibly several steps later.
+
+    ``metrics`` holds ``eval/*`` (score, ``eval/delay_steps``, the version checks, ``eval/skipped``).
+    Every evaluation is also a line of ``eval.jsonl`` in the run directory.
+    """

@@ -102,6 +102,12 @@ class RolloutContext:
     options: dict[str, Any] = field(default_factory=dict)  # the recipe's rollout.options
     # Called once per finished trajectory (drives the per-rollout progress bar).
     on_sample_done: Callable[[Sample], None] | None = None
+    # Called as soon as a trajectory's generation ends, before scoring (frees its slot in the
+    # fully asynchronous worker). Rollout functions that cannot tell may not call it.
+    on_generation_done: Callable[[Sample], None] | None = None
+    # The weight version the engines serve, as the driver last set it (a floor for per-token versions
+    # when the engine reports only one version per request).
+    served_version: int | None = None
     # Run on every finished, non-aborted trajectory before its reward (a served teacher's scoring).
     scorers: list[SampleScorer] = field(default_factory=list)
     # Applied in order to each reward once it is known (e.g. an overlong penalty).
@@ -145,13 +151,47 @@ GroupFilter = Callable[[Group], bool]
 # ------------------------------------------------------------------------- buffer
 
 
+# Why a group leaves the buffer untrained (the report's three reasons; filters add their name).
+DROP_ABORTED = "aborted"  # generation gave up on it: checked on arrival, retried or discarded
+DROP_STALE = "stale"  # its oldest token is too many versions old: checked on the way out
+DROP_FILTER_PREFIX = "filter:"  # a group filter rejected it: checked on arrival, always discarded
+
+
+@dataclass
+class BufferPolicy:
+    """What the driver tells a buffer when it builds it: capacity and the drop rules.
+
+    ``recycle`` returns a dropped group's prompt to the data source (a retried prompt
+    is generated again later, never lost); ``on_drop`` reports every drop (the
+    ``miles_on_group_dropped`` hook). Both may be called from any thread.
+    """
+
+    capacity: int | None = None  # groups; put blocks while the buffer holds this many (None: unbounded)
+    filters: list[tuple[str, GroupFilter]] = field(default_factory=list)
+    # After the filters: a plugin's verdict (``miles_buffer_reject``), a reason or None to keep.
+    reject: Callable[[Group], str | None] | None = None
+    max_staleness: int | None = None  # None: never drop for staleness
+    retry_aborted: bool = True
+    retry_stale: bool = True
+    recycle: Callable[[Prompt], None] | None = None
+    on_drop: Callable[[Group, str], None] | None = None
+
+
 @runtime_checkable
 class Buffer(Protocol):
-    """Between generation and training. Three operations only."""
+    """Between generation and training; built as ``Buffer(policy, **options)``. Three operations only.
+
+    - ``put`` drops aborted and filter-rejected groups on arrival, else stores the group,
+      blocking while the buffer is full.
+    - ``take`` hands out up to ``n_groups`` groups whose staleness (``weight_version`` minus
+      the oldest version of any of their tokens) is within the limit, dropping the stale
+      ones it meets; it waits up to ``timeout_s`` for enough groups (``None``: no wait).
+    - ``metrics`` reports the buffer's state (names without a prefix; the driver adds it).
+    """
 
     def put(self, group: Group) -> None: ...
 
-    def take(self, n_groups: int) -> list[Group]: ...
+    def take(self, n_groups: int, weight_version: int, timeout_s: float | None = None) -> list[Group]: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -332,6 +372,8 @@ class BackendSpec:
     ref_model_path: str | None = None
     teacher_model_path: str | None = None
     critic: CriticSpec | None = None
+    # Where the ranks run: {"launcher": "local" | "ray", "ray_address": ..., "bundle": {...}} (placement section).
+    placement: dict[str, Any] = field(default_factory=lambda: {"launcher": "local"})
 
 
 @dataclass
@@ -362,3 +404,27 @@ class EngineLauncher(Protocol):
     def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]: ...
 
     def shutdown(self) -> None: ...
+
+
+# ------------------------------------------------------------------------ evaluation
+
+
+@dataclass
+class EvalRequest:
+    """One evaluation handed to an external backend: a Hugging Face checkpoint of one weight version."""
+
+    checkpoint_dir: str  # read-only for the backend; Miles deletes it once the evaluation ends
+    step: int  # the training step whose weights these are
+    weight_version: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class EvalBackend(Protocol):
+    """Scores a checkpoint directory (mode ``external``); runs off the training thread.
+
+    Returns metrics by name (e.g. ``{"score": 0.41}``). Raising marks the evaluation
+    skipped with reason ``backend_error``; training goes on.
+    """
+
+    def evaluate(self, request: EvalRequest) -> dict[str, float]: ...

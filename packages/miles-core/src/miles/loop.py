@@ -1,14 +1,19 @@
-"""The driver: one synchronous loop, readable as pseudocode.
+"""The driver: one loop for both schedules, readable as pseudocode.
 
     for each step:
-        RL:  groups = generate(step)          # data source -> rollout fn -> engines -> filters -> buffer
-             batch  = make_train_batch(groups) # scores on the trainer -> advantages (+ distillation)
-        SFT: batch  = next conversations       # data source -> assistant-token loss masks
-        metrics = train(step, batch)           # loss (+ correction) -> backend step
+        RL:  groups = generation.collect(step)  # sync: generate now; fully_async: take from the buffer
+             batch  = make_train_batch(groups)  # scores on the trainer -> advantages (+ distillation)
+        SFT: batch  = next conversations        # data source -> assistant-token loss masks
+        metrics = train(step, batch)            # loss (+ correction) -> backend step
         save a checkpoint when one is due
-        RL:  update the engines' weights       # transport; engines serve version step+1
+        RL:  update the engines' weights when due   # transport; engines serve version step+1
+             evaluate when due; log finished evaluations
         log the step
 
+Under ``schedule: sync`` generation and training take turns (a colocated placement
+offloads the trainer while the engines generate). Under ``schedule: fully_async`` a
+background worker keeps the engines generating into a bounded, staleness-checked
+buffer, and a weight update pauses the engines only for the reload itself.
 Everything else (which engine, which backend, which loss) lives behind those calls
 and is chosen by the recipe. SFT (``mode: sft``) starts no engine at all.
 """
@@ -19,15 +24,18 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 from miles.config.schema import MilesConfig
-from miles.driver.components import build_components
-from miles.driver.generation import RolloutStage
+from miles.driver.components import Components, build_components
+from miles.driver.generation import RolloutStage, SyncGeneration
 from miles.driver.services import (
     check_engine_versions,
     describe_update,
+    offloaded_while,
+    placement_session,
     rollout_engines,
     served_teacher,
     trainer,
@@ -54,7 +62,7 @@ class RunResult:
 
 
 def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False) -> RunResult:
-    """Run the recipe's RL loop; returns where its results are."""
+    """Run the recipe's loop; returns where its results are."""
     from miles.config import dump_config
     from miles.models.registry import resolve_model
 
@@ -70,7 +78,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     run.check(resume=resume, overwrite=overwrite)
     # Bad models and datasets fail here, before the run directory is touched.
     model_path = resolve_model(config.model.path)
-    components = build_components(config, model_path)
+    components = build_components(config, model_path, hooks)
     rl = config.mode == "rl"
     run.prepare(resume=resume, overwrite=overwrite)
     with open(run.sub("config.yaml"), "w", encoding="utf-8") as f:
@@ -85,12 +93,15 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     loop = asyncio.new_event_loop()
     status = "failed"
     engines: list = []
+    # Held while the engines' weights change; a shared-engine evaluation holds it while it measures.
+    weights_lock = threading.Lock()
     with contextlib.ExitStack() as stack:
         stack.callback(loop.close)
         sessions = [components.reward, *components.reward_postprocess]
         stack.callback(lambda: loop.run_until_complete(_close_clients([*engines, *sessions])))
         trackers = _start_trackers(config, run, state.step, pm, stack)
         console = trackers.get("console")
+        stack.enter_context(placement_session(config))
         engine_urls: list[str] = []
         transport_options: dict = {}
         if rl:
@@ -101,19 +112,26 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
             trainer(config, model_path, components.objective, engine_urls, transport_options, pm)
         )
         engines.extend(_engine_clients(engine_urls))
+        if checkpoint:
+            backend.load_checkpoint(os.path.join(checkpoint, "trainer"))
+            if rl and state.weight_version > 0:
+                backend.update_weights(state.weight_version)
+                check_engine_versions(loop, engines, state.weight_version)
         if rl:
             ctx = _rollout_context(config, model_path, engines, components, console)
             teacher = stack.enter_context(served_teacher(config, ctx.tokenizer, loop, run.sub("teachers")))
             if teacher is not None:
                 ctx.scorers.append(teacher)
-            rollout = RolloutStage(
-                components,
-                ctx,
-                prompts_per_step=config.rollout.prompts_per_step,
-                max_rounds=config.rollout.max_rounds,
-                hooks=hooks,
-                loop=loop,
-            )
+            generation = _generation(config, components, ctx, engines, loop, hooks, console, state.step)
+            stack.callback(generation.close)
+            evaluator = None
+            if config.eval is not None:  # its own stack: closed (and drained) right after the last step
+                eval_stack = stack.enter_context(contextlib.ExitStack())
+                evaluator = eval_stack.enter_context(
+                    _evaluator(
+                        config, model_path, ctx.tokenizer, run, engine_urls, backend, generation, weights_lock
+                    )
+                )
         else:
             sft = SFTStage(
                 components.data_source,
@@ -121,18 +139,14 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                 batch_size=config.sft.batch_size,
                 max_length=config.sft.max_length,
             )
-        if checkpoint:
-            backend.load_checkpoint(os.path.join(checkpoint, "trainer"))
-            if rl and state.weight_version > 0:
-                backend.update_weights(state.weight_version)
-                check_engine_versions(loop, engines, state.weight_version)
         hooks.miles_on_run_start(config=config, run_dir=run.path)
         try:
             for step in range(state.step, config.run.num_steps):
                 t_step = time.perf_counter()
                 batch = None
-                if rl:  # generate, then score and turn the groups into a batch
-                    groups, metrics = rollout.run(step, on_round_start=_rollout_bar(console, step))
+                if rl:  # generate (or take from the buffer), then score and turn the groups into a batch
+                    with offloaded_while(config, backend):  # colocated: the trainer leaves the devices
+                        groups, metrics = generation.collect(step)
                     if console is not None:
                         console.show_samples(groups)
                     if groups:
@@ -154,14 +168,25 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                 if _save_due(config, step):
                     checkpoint = _save(run, backend, state, config.run.keep_checkpoints)
                     hooks.miles_on_checkpoint_saved(step=step, directory=checkpoint)
-                # update weights: the engines serve version step+1 from now on
                 if rl:
-                    stats = backend.update_weights(state.weight_version)
-                    check_engine_versions(loop, engines, state.weight_version)
-                    hooks.miles_on_weights_updated(version=state.weight_version, stats=stats)
-                    metrics |= describe_update(stats) | components.buffer.metrics()
+                    # update weights when due: the engines serve version step+1 from then on
+                    eval_due = evaluator is not None and evaluator.due(step)
+                    if _update_due(config, step) or eval_due:
+                        version = state.weight_version
+                        with weights_lock, generation.weights_changing(version):
+                            stats = backend.update_weights(version)
+                            check_engine_versions(loop, engines, version)
+                        hooks.miles_on_weights_updated(version=version, stats=stats)
+                        metrics |= describe_update(stats)
+                    # evaluate when due; finished evaluations are logged against the step they measured
+                    if eval_due:
+                        evaluator.start(step)
+                    _log_evaluations(evaluator, step, hooks)
                 metrics["time/step_s"] = time.perf_counter() - t_step
                 hooks.miles_on_metrics(step=step, metrics=metrics)
+            if rl and evaluator is not None:  # wait for the evaluations still running, then log them
+                eval_stack.close()
+                _log_evaluations(evaluator, config.run.num_steps - 1, hooks)
             final_dir = None
             if config.run.export_hf:
                 final_dir = run.sub("final")
@@ -183,6 +208,102 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
 
 
 # --------------------------------------------------------------------- helpers
+
+
+def _generation(
+    config: MilesConfig,
+    components: Components,
+    ctx: RolloutContext,
+    engines: list,
+    loop,
+    hooks,
+    console,
+    first_step: int,
+):
+    """The schedule's generation side: a synchronous stage, or a started fully asynchronous worker."""
+    r = config.rollout
+    if config.schedule == "sync":
+        stage = RolloutStage(
+            components,
+            ctx,
+            prompts_per_step=r.prompts_per_step,
+            max_rounds=r.max_rounds,
+            hooks=hooks,
+            loop=loop,
+        )
+        return SyncGeneration(stage, console)
+    import dataclasses
+
+    from miles.driver.async_rollout import AsyncGeneration, AsyncRolloutWorker, default_max_inflight
+
+    fa = config.fully_async
+    urls = [e.url for e in engines]
+
+    def worker_context() -> RolloutContext:  # built on the worker's loop: its clients belong to it
+        # The console's per-rollout progress bar has no meaning when rollouts never end.
+        return dataclasses.replace(ctx, engines=_engine_clients(urls), on_sample_done=None)
+
+    worker = AsyncRolloutWorker(
+        components.rollout_fn,
+        worker_context,
+        components.data_source,
+        components.buffer,
+        max_inflight=fa.max_inflight or default_max_inflight(r.prompts_per_step, r.n_samples_per_prompt),
+        replacement=fa.replacement,
+        postprocess=lambda groups: hooks.miles_rollout_postprocess(groups=groups, step=worker.step),
+    )
+    worker.set_version(first_step, first_step)
+    worker.start()
+    return AsyncGeneration(
+        worker,
+        components.buffer,
+        components.drops,
+        engines,
+        loop,
+        prompts_per_step=r.prompts_per_step,
+        update_mode=fa.update_mode,
+        take_timeout_s=fa.take_timeout_s,
+    )
+
+
+def _evaluator(
+    config: MilesConfig,
+    model_path: str,
+    tokenizer,
+    run: RunDir,
+    engine_urls: list[str],
+    backend,
+    generation,
+    weights_lock: threading.Lock,
+):
+    from miles.eval import Evaluator
+
+    pause = getattr(getattr(generation, "worker", None), "pause_production", contextlib.nullcontext)
+    return Evaluator(
+        config,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        run_dir=run.path,
+        engine_urls=engine_urls,
+        export_snapshot=backend.export_hf,
+        pause_production=pause,
+        weights_lock=weights_lock,
+    )
+
+
+def _log_evaluations(evaluator, step: int, hooks) -> None:
+    """Finished evaluations, each logged against the step whose weights it measured (delay included)."""
+    if evaluator is None:
+        return
+    for result in evaluator.collect(step):
+        hooks.miles_on_eval(step=result.step, metrics=result.as_metrics())
+
+
+def _update_due(config: MilesConfig, step: int) -> bool:
+    if config.schedule == "sync":
+        return True  # the next rollout must sample from the weights just trained
+    every = config.fully_async.update_every
+    return (step + 1) % every == 0 or step + 1 == config.run.num_steps
 
 
 def _save_due(config: MilesConfig, step: int) -> bool:
@@ -235,12 +356,6 @@ def _rollout_context(
         options=dict(r.options),
         on_sample_done=console.sample_done if console is not None else None,
     )
-
-
-def _rollout_bar(console, step: int):
-    if console is None:
-        return None
-    return lambda total: console.start_rollout(step, total)
 
 
 def _start_trackers(

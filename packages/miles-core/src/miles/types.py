@@ -133,10 +133,23 @@ class GenerateOutput:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: int
+    weight_version: int  # the engine's version when it answered
     text: str = ""
     routed_experts: list[list[list[int]]] | None = None
     prompt_tokens: int = 0
+    # The version each output token was sampled under (differs across a mid-request weight update).
+    output_weight_versions: list[int] | None = None
+
+    def token_versions(self, served_at_start: int | None = None) -> list[int]:
+        """Per-token versions; without the engine's per-token field (SGLang), every token gets the
+        older of the version served when the request started and the one it finished under, so a
+        request that spans an update is never counted fresher than it may be."""
+        if self.output_weight_versions is not None:
+            return list(self.output_weight_versions)
+        version = (
+            self.weight_version if served_at_start is None else min(self.weight_version, served_at_start)
+        )
+        return [version] * len(self.output_ids)
 
 
 @dataclass

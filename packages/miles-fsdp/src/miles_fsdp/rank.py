@@ -52,14 +52,17 @@ LOSS_KINDS = ("policy", "supervised")
 
 
 class RankTrainer:
-    def __init__(self, spec: BackendSpec, rank: int, world_size: int) -> None:
+    def __init__(
+        self, spec: BackendSpec, rank: int, world_size: int, device_index: int | None = None
+    ) -> None:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.train_opts = TrainSection.model_validate(spec.options.get("train", {}))
         self.opts = FSDPOptions.model_validate(spec.options.get("fsdp", {}))
         if self.opts.device == "cuda":
-            self.device = torch.device("cuda", rank)
+            # Its rank on one machine; a Ray actor sees only the GPU Ray gave it (index 0).
+            self.device = torch.device("cuda", rank if device_index is None else device_index)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")

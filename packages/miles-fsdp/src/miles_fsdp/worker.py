@@ -1,10 +1,15 @@
-"""The body of one rank process: join the process group, build the trainer, serve commands.
+"""The body of one trainer rank, wherever it runs: join the process group, build the trainer, serve commands.
 
-The driver talks to each rank over its own ``multiprocessing`` pipe (local IPC
-between our own processes). Protocol: the rank sends ``("ready", info)`` once
-built; then for every ``(command, arg)`` it receives it answers ``("ok", result)``
-or ``("error", traceback_text)``. ``("shutdown", None)`` ends the loop. Any
-exception is reported with its traceback; the driver decides what happens next.
+Two hosts run this code: a local process started by ``ProcessRanks`` (this module's
+``rank_main``, talking over a ``multiprocessing`` pipe) and a Ray actor started by
+``RayRanks`` (``ray_ranks.py``). Both build the rank with :func:`start_rank` and answer
+every command through :meth:`RankCommands.run`, so the command set and the trainer's
+construction exist once.
+
+Pipe protocol: the rank sends ``("ready", info)`` once built; then for every
+``(command, arg)`` it receives it answers ``("ok", result)`` or ``("error",
+traceback_text)``. ``("shutdown", None)`` ends the loop. Any exception is reported with
+its traceback; the driver decides what happens next.
 """
 
 from __future__ import annotations
@@ -19,52 +24,36 @@ from typing import Any
 
 from miles.interfaces import BackendSpec
 
+# The trainer methods a driver may call, plus the offload pair (see ``offload.py``).
+TRAINER_COMMANDS = frozenset(
+    {"train_step", "score", "update_weights", "save_checkpoint", "load_checkpoint", "export_hf"}
+)
+COMMANDS = TRAINER_COMMANDS | {"offload", "onload"}
 
-def rank_main(
-    rank: int, world_size: int, port: int, conn: Connection, spec: BackendSpec, timeout_s: float
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
-    # The driver already reported broken plugins once; ranks stay quiet about them.
-    logging.getLogger("miles.plugins").setLevel(logging.ERROR)
-    trainer = None
-    try:
-        import torch
-        import torch.distributed as dist
+Reply = tuple[str, Any]  # ("ready" | "ok" | "error", payload)
 
-        threads = spec.options.get("fsdp", {}).get("torch_threads") or int(
-            os.environ.get("MILES_TORCH_THREADS", "0") or 0
-        )
-        if threads:
-            torch.set_num_threads(int(threads))
-        device = spec.options.get("fsdp", {}).get("device", "cpu")
-        if device == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=torch.device("cuda", rank) if device == "cuda" else None,
-        )
-        from miles_fsdp.rank import RankTrainer
 
-        trainer = RankTrainer(spec, rank, world_size)
-        conn.send(("ready", {"pid": os.getpid()}))
-    except BaseException:
-        _send(conn, ("error", traceback.format_exc()))
-        return
+class RankCommands:
+    """One built rank: runs a named command and turns any exception into an error reply."""
 
-    try:
-        _serve(conn, trainer)
-    finally:
+    def __init__(self, trainer: Any) -> None:
+        from miles_fsdp.offload import Offloader
+
+        self.trainer = trainer
+        self.offloader = Offloader(trainer)
+
+    def run(self, command: str, arg: Any) -> Reply:
+        if command not in COMMANDS:
+            return "error", f"unknown command {command!r}; known: {sorted(COMMANDS)}"
+        target = self.offloader if command in ("offload", "onload") else self.trainer
         try:
-            trainer.close()
+            return "ok", getattr(target, command)(arg)
+        except BaseException:
+            return "error", traceback.format_exc()
+
+    def close(self) -> None:
+        try:
+            self.trainer.close()
         finally:
             import torch.distributed as dist
 
@@ -72,12 +61,70 @@ def rank_main(
                 dist.destroy_process_group()
 
 
-COMMANDS = frozenset(
-    {"train_step", "score", "update_weights", "save_checkpoint", "load_checkpoint", "export_hf"}
-)
+def start_rank(
+    spec: BackendSpec,
+    rank: int,
+    world_size: int,
+    master: tuple[str, int],
+    timeout_s: float,
+    device_index: int | None = None,
+) -> RankCommands:
+    """Join the default process group and build this rank's trainer.
+
+    ``master`` is rank 0's (address, port) for the rendezvous. ``device_index`` is the CUDA
+    device this rank uses (default: its rank, one GPU per rank on one machine; a Ray actor
+    sees only the GPU Ray gave it, so its index is 0).
+    """
+    addr, port = master
+    os.environ.update(
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank if device_index is None else device_index),
+        WORLD_SIZE=str(world_size),
+    )
+    # The driver already reported broken plugins once; ranks stay quiet about them.
+    logging.getLogger("miles.plugins").setLevel(logging.ERROR)
+    import torch
+    import torch.distributed as dist
+
+    fsdp_opts = spec.options.get("fsdp", {})
+    threads = fsdp_opts.get("torch_threads") or int(os.environ.get("MILES_TORCH_THREADS", "0") or 0)
+    if threads:
+        torch.set_num_threads(int(threads))
+    cuda = fsdp_opts.get("device", "cpu") == "cuda"
+    index = rank if device_index is None else device_index
+    if cuda:
+        torch.cuda.set_device(index)
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=torch.device("cuda", index) if cuda else None,
+    )
+    from miles_fsdp.rank import RankTrainer
+
+    return RankCommands(RankTrainer(spec, rank, world_size, device_index=index))
 
 
-def _serve(conn: Connection, trainer: Any) -> None:
+def rank_main(
+    rank: int, world_size: int, port: int, conn: Connection, spec: BackendSpec, timeout_s: float
+) -> None:
+    """A local rank process: build, say ready, serve the pipe until shutdown or until the driver goes."""
+    try:
+        commands = start_rank(spec, rank, world_size, ("127.0.0.1", port), timeout_s)
+        conn.send(("ready", {"pid": os.getpid()}))
+    except BaseException:
+        _send(conn, ("error", traceback.format_exc()))
+        return
+    try:
+        _serve(conn, commands)
+    finally:
+        commands.close()
+
+
+def _serve(conn: Connection, commands: RankCommands) -> None:
     while True:
         try:
             command, arg = conn.recv()
@@ -86,17 +133,9 @@ def _serve(conn: Connection, trainer: Any) -> None:
         if command == "shutdown":
             _send(conn, ("ok", None))
             return
-        if command not in COMMANDS:
-            _send(conn, ("error", f"unknown command {command!r}; known: {sorted(COMMANDS)}"))
-            continue
-        try:
-            result = getattr(trainer, command)(arg)
-        except BaseException:
-            _send(conn, ("error", traceback.format_exc()))
-            continue
-        _send(conn, ("ok", result))
+        _send(conn, commands.run(command, arg))
 
 
-def _send(conn: Connection, message: tuple[str, Any]) -> None:
+def _send(conn: Connection, message: Reply) -> None:
     with contextlib.suppress(BrokenPipeError, OSError):
         conn.send(message)

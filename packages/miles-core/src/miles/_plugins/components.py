@@ -35,6 +35,7 @@ _PROTOCOLS: dict[str, str] = {
     "generate": "GenerateFn",
     "data_source": "DataSource",
     "engine": "EngineLauncher",
+    "eval_backend": "EvalBackend",
 }
 
 

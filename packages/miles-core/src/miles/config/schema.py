@@ -235,6 +235,113 @@ class WeightSyncSection(Section):
     )
 
 
+class PlacementSection(Section):
+    """Where the trainer and the engines run, and who starts their processes."""
+
+    mode: Literal["colocated", "disaggregated"] | None = Field(
+        None,
+        description="colocated: trainer and engines share devices (the trainer is offloaded while engines "
+        "generate); disaggregated: separate pools. None: colocated iff transport is 'colocated'",
+    )
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="local: processes on this machine; ray: actors in Ray placement groups"
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster to attach to ('auto', 'HOST:PORT'); None with launcher ray starts a private "
+        "local cluster on 127.0.0.1 for this run",
+    )
+    trainer_bundle: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources per trainer rank (default: {GPU: 1} on cuda, else {CPU: 1})",
+    )
+    engine_bundle: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources per engine (default: {GPU: 1} on cuda, else {CPU: 1})",
+    )
+
+    def resolved_mode(self, transport: str) -> str:
+        if self.mode is not None:
+            return self.mode
+        return "colocated" if transport == "colocated" else "disaggregated"
+
+
+class FullyAsyncSection(Section):
+    """The fully asynchronous schedule (``schedule: fully_async``): engines never wait for the trainer."""
+
+    max_inflight: int | None = Field(
+        None,
+        ge=1,
+        description="trajectories generating at once (default: 2 x prompts_per_step x n_samples_per_prompt)",
+    )
+    replacement: Literal["sample", "group"] = Field(
+        "sample",
+        description="sample: each finished trajectory frees its slot, a new group starts once a group's worth "
+        "is free; group: a group's slots free only when all of it finished",
+    )
+    buffer_capacity: float = Field(
+        2.0, gt=0, description="buffer capacity as a multiple of the training batch (prompts_per_step groups)"
+    )
+    max_staleness: int | None = Field(
+        2,
+        ge=0,
+        description="drop a group on its way to the trainer when current version - its oldest token's "
+        "version exceeds this (None: never)",
+    )
+    aborted: Literal["retry", "discard"] = Field(
+        "retry", description="a group generation gave up on: its prompt goes back to the data source, or not"
+    )
+    stale: Literal["retry", "discard"] = Field(
+        "retry", description="a group dropped for staleness: its prompt goes back to the data source, or not"
+    )
+    update_every: int = Field(1, ge=1, description="push new weights to the engines every N training steps")
+    update_mode: Literal["retract", "in_place", "abort"] = Field(
+        "retract",
+        description="in-flight requests during a weight update: retract (re-prefilled under the new weights, "
+        "then continue), in_place (paused with their cache, continue), abort (answered as aborted)",
+    )
+    take_timeout_s: float = Field(
+        600.0, gt=0, description="fail the step if the buffer yields no group for this long"
+    )
+
+
+class EvalSection(Section):
+    """Evaluation of the policy every ``every`` steps, on a held-out prompt set."""
+
+    data: DataSection
+    every: int = Field(5, ge=1, description="evaluate the weights of every Nth step (and the last)")
+    mode: Literal["shared", "dedicated", "external"] = Field(
+        "shared",
+        description="shared: the rollout engines (production pauses); dedicated: an eval fleet loaded from a "
+        "snapshot; external: a backend plugin handed a checkpoint directory",
+    )
+    max_prompts: int | None = Field(None, ge=1, description="evaluate on the first N prompts only")
+    n_samples_per_prompt: int = Field(1, ge=1)
+    max_new_tokens: int | None = Field(None, ge=1, description="default: rollout.max_new_tokens")
+    temperature: float = Field(1.0, gt=0.0)
+    reward: str | None = Field(None, description="reward name or import path (default: rollout.reward)")
+    reward_options: dict[str, Any] = Field(default_factory=dict)
+    max_outstanding: int = Field(
+        2, ge=1, description="snapshot evaluations running at once; more are skipped, never queued"
+    )
+    num_engines: int = Field(1, ge=1, description="dedicated fleet size (mode dedicated)")
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="options for the dedicated fleet's engines (device, max_batch_size...)",
+    )
+    backend: str | None = Field(None, description="eval backend name or import path (mode external)")
+    backend_options: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = Field(1800.0, gt=0, description="an evaluation running longer is skipped")
+
+    @model_validator(mode="after")
+    def _backend_for_external(self) -> EvalSection:
+        if self.mode == "external" and self.backend is None:
+            raise ValueError("eval.mode 'external' needs eval.backend (an eval backend name or import path)")
+        if self.mode != "external" and self.backend is not None:
+            raise ValueError(f"eval.backend is used by mode 'external' only; eval.mode is {self.mode!r}")
+        return self
+
+
 class TrackingSection(Section):
     jsonl: bool = True
     tensorboard: bool = True
@@ -260,6 +367,14 @@ class MilesConfig(Section):
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     distillation: DistillationSection | None = None
     sft: SFTSection = Field(default_factory=SFTSection)
+    schedule: Literal["sync", "fully_async"] = Field(
+        "sync",
+        description="sync: generate, then train, in turns; fully_async: engines keep generating while the "
+        "trainer trains (needs a disaggregated placement)",
+    )
+    fully_async: FullyAsyncSection = Field(default_factory=FullyAsyncSection)
+    placement: PlacementSection = Field(default_factory=PlacementSection)
+    eval: EvalSection | None = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MilesConfig:
@@ -271,7 +386,29 @@ class MilesConfig(Section):
                 )
             if self.distillation is not None:
                 raise ValueError("distillation needs rollouts (the student's own samples); use mode: rl")
+            if self.schedule != "sync":
+                raise ValueError("schedule 'fully_async' needs rollouts; mode 'sft' trains synchronously")
+            if self.eval is not None:
+                raise ValueError("eval scores rollouts on engines; mode 'sft' starts none (remove eval)")
             return self
+        if self.schedule == "fully_async":
+            if self.placement.resolved_mode(self.transport) == "colocated":
+                raise ValueError(
+                    "schedule 'fully_async' needs a disaggregated placement (engines generate while the trainer "
+                    "trains, so they cannot share its devices); set placement.mode: disaggregated and a transport "
+                    "other than 'colocated', or use schedule: sync"
+                )
+            fa = self.fully_async
+            if fa.max_inflight is not None and fa.max_inflight < self.rollout.n_samples_per_prompt:
+                raise ValueError(
+                    f"fully_async.max_inflight ({fa.max_inflight}) must be at least rollout.n_samples_per_prompt "
+                    f"({self.rollout.n_samples_per_prompt}): a group is started whole"
+                )
+            if self.rollout.max_rounds != 1 and "max_rounds" in self.rollout.model_fields_set:
+                raise ValueError(
+                    "rollout.max_rounds refills a synchronous step; under schedule 'fully_async' the worker "
+                    "replaces dropped groups continuously, so leave max_rounds unset"
+                )
         if self.rollout.n_samples_per_prompt == 1 and "nonzero_std" in self.rollout.filters:
             raise ValueError(
                 "rollout.filters contains 'nonzero_std' but rollout.n_samples_per_prompt is 1: every group "
@@ -281,6 +418,12 @@ class MilesConfig(Section):
             raise ValueError(
                 f"engine.urls lists {len(self.engine.urls)} engines but engine.num_engines is "
                 f"{self.engine.num_engines}; make them agree"
+            )
+        if self.transport == "colocated" and self.placement.mode == "disaggregated":
+            raise ValueError(
+                "transport 'colocated' hands weights over on shared devices; placement.mode 'disaggregated' "
+                "puts the engines elsewhere. Use transport: broadcast (or p2p, disk-delta), or placement.mode: "
+                "colocated"
             )
         if self.transport == "colocated" and self.engine.urls:
             raise ValueError(

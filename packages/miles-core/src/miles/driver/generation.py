@@ -1,9 +1,11 @@
-"""The rollout stage: prompts -> trajectory groups -> filters -> buffer -> a training batch."""
+"""The synchronous rollout stage: prompts -> trajectory groups -> buffer -> a training batch."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,11 +15,35 @@ from miles.interfaces import RolloutContext
 from miles.types import Group, Sample, Status
 
 
-class RolloutStage:
-    """Fills the buffer with ``prompts_per_step`` groups that pass the filters, then takes them.
+class DropLog:
+    """Counts the groups the buffer drops, by reason, and reports each to the plugins.
 
-    Drop reasons are checked on arrival: a group with an aborted trajectory goes back to
-    the data source (retried, never lost); a group a filter rejects is discarded.
+    The buffer calls ``record`` from whichever thread saw the drop (the rollout worker's
+    for arrivals, the driver's for staleness); ``drain`` hands the driver the counts since
+    its last call.
+    """
+
+    def __init__(self, hooks: Any) -> None:
+        self.hooks = hooks
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def record(self, group: Group, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+        self.hooks.miles_on_group_dropped(group=group, reason=reason)
+
+    def drain(self) -> dict[str, int]:
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        return counts
+
+
+class RolloutStage:
+    """Generates ``prompts_per_step`` groups that the buffer keeps, then takes them.
+
+    The buffer applies the drop rules (aborted groups go back to the data source, a
+    group a filter rejects is discarded); up to ``max_rounds`` rounds refill what it dropped.
     """
 
     def __init__(
@@ -41,11 +67,12 @@ class RolloutStage:
         self, step: int, on_round_start: Callable[[int], None] | None = None
     ) -> tuple[list[Group], dict[str, float]]:
         self.ctx.step = step
+        self.ctx.served_version = step
         t0 = time.perf_counter()
         generated: list[Group] = []
-        dropped: dict[str, int] = {}
+        batch: list[Group] = []
         for _ in range(self.max_rounds):
-            need = self.prompts_per_step - len(self.c.buffer)  # type: ignore[arg-type]
+            need = self.prompts_per_step - len(batch)
             if need <= 0:
                 break
             prompts = self.c.data_source.next_prompts(need)
@@ -55,25 +82,30 @@ class RolloutStage:
             self.hooks.miles_rollout_postprocess(groups=groups, step=step)
             generated.extend(groups)
             for group in groups:
-                reason = self._drop_reason(group)
-                if reason is None:
-                    self.c.buffer.put(group)
-                    continue
-                dropped[reason] = dropped.get(reason, 0) + 1
-                if reason == "aborted":
-                    self.c.data_source.put_back([group.prompt])
-                self.hooks.miles_on_group_dropped(group=group, reason=reason)
-        batch = self.c.buffer.take(self.prompts_per_step)
+                self.c.buffer.put(group)
+            batch.extend(self.c.buffer.take(need, weight_version=step))
         elapsed = time.perf_counter() - t0
-        return batch, rollout_metrics(generated, batch, dropped, elapsed)
+        return batch, rollout_metrics(generated, batch, self.c.drops.drain(), elapsed)
 
-    def _drop_reason(self, group: Group) -> str | None:
-        if any(s.status is Status.ABORTED for s in group.samples):
-            return "aborted"
-        for name, keep in self.c.filters:
-            if not keep(group):
-                return f"filter:{name}"
-        return self.hooks.miles_buffer_reject(group=group)
+
+class SyncGeneration:
+    """The synchronous schedule as the driver sees it: generate a batch now; weights change between steps."""
+
+    def __init__(self, stage: RolloutStage, console: Any = None) -> None:
+        self.stage = stage
+        self.console = console
+
+    def collect(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        bar = None if self.console is None else (lambda total: self.console.start_rollout(step, total))
+        groups, metrics = self.stage.run(step, on_round_start=bar)
+        metrics |= {f"buffer/{k}": v for k, v in self.stage.c.buffer.metrics().items()}
+        return groups, metrics
+
+    def weights_changing(self, version: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # the engines are idle between steps
+
+    def close(self) -> None:
+        pass
 
 
 def rollout_metrics(

@@ -15,7 +15,7 @@ from typing import Any
 from miles import hookimpl
 from miles.config.schema import MilesConfig
 from miles.driver.objective import Objective
-from miles.errors import EngineError
+from miles.errors import ConfigError, EngineError
 from miles.interfaces import Backend, BackendSpec, EngineLauncher, EngineSpec, TransportStats
 from miles.plugins import make_component
 from miles.types import TrainBatch
@@ -55,6 +55,12 @@ def rollout_engines(
             handoff = stack.enter_context(tempfile.TemporaryDirectory(prefix="miles-handoff-", dir=base))
             options["handoff_dir"] = transport_options["handoff_dir"] = handoff
         launcher: EngineLauncher = make_component("engine", eng.launcher)
+        if config.placement.launcher == "ray" and not eng.urls:
+            from miles.placement import RayEngineLauncher, default_bundle
+
+            launcher = RayEngineLauncher(
+                launcher, config.placement.engine_bundle or default_bundle(eng.device)
+            )
         stack.callback(launcher.shutdown)
         if eng.urls:
             specs = [
@@ -113,8 +119,16 @@ def trainer(
         ref_model_path=objective.ref_model_path,
         teacher_model_path=objective.teacher_model_path,
         critic=objective.critic,
+        placement=trainer_placement(config),
     )
     backend: Backend = make_component("backend", config.backend)
+    if config.placement.resolved_mode(config.transport) == "colocated" and rl:
+        missing = [m for m in ("offload", "onload") if not callable(getattr(backend, m, None))]
+        if missing:
+            raise ConfigError(
+                f"placement.mode 'colocated' offloads the trainer while the engines generate, but backend "
+                f"{config.backend!r} has no {' / '.join(missing)}(); use placement.mode: disaggregated"
+            )
     adapter = _BackendStep(backend)
     try:
         backend.setup(spec)
@@ -187,6 +201,47 @@ def served_teacher(config: MilesConfig, tokenizer: Any, loop: Any, log_dir: str)
             top_k=distill.top_k,
             candidates=distill.top_k_candidates,
         )
+
+
+def trainer_placement(config: MilesConfig) -> dict[str, Any]:
+    """Where the backend's ranks run (plain data: it travels in the BackendSpec)."""
+    p = config.placement
+    placement: dict[str, Any] = {"launcher": p.launcher, "mode": p.resolved_mode(config.transport)}
+    if p.launcher == "ray":
+        placement |= {"ray_address": p.ray_address, "bundle": dict(p.trainer_bundle)}
+    return placement
+
+
+@contextlib.contextmanager
+def placement_session(config: MilesConfig) -> Iterator[None]:
+    """Connect to (or start) the Ray cluster for the run when placement.launcher is ray."""
+    if config.placement.launcher != "ray":
+        yield
+        return
+    from miles.placement import ray_session
+
+    num_cpus = None
+    if config.placement.ray_address is None:
+        # A private cluster's CPUs are logical: make room for one bundle per rank and per engine
+        # even on a 2-core machine (the processes share the cores, as they would locally).
+        section = getattr(config, config.backend, None)
+        ranks = getattr(section, "num_ranks", 1)
+        num_cpus = max(os.cpu_count() or 1, ranks + config.engine.num_engines)
+    with ray_session(config.placement.ray_address, num_cpus=num_cpus):
+        yield
+
+
+@contextlib.contextmanager
+def offloaded_while(config: MilesConfig, backend: Any) -> Iterator[None]:
+    """Colocated placement: the trainer's state leaves the shared devices while the engines generate."""
+    if config.placement.resolved_mode(config.transport) != "colocated":
+        yield
+        return
+    backend.offload()
+    try:
+        yield
+    finally:
+        backend.onload()
 
 
 def check_engine_versions(loop: Any, engines: list[Any], version: int) -> None:

@@ -417,14 +417,28 @@ def parse_generate_response(
             raise EngineError(
                 f"{where}: routed experts cover {len(all_rows)} tokens, expected {prompt_tokens + len(output_ids) - 1}"
             )
+    version = parse_weight_version(meta.get("weight_version"), where=where)
+    token_versions = meta.get("output_token_weight_versions")
+    if token_versions is None:
+        # SGLang reports one version per request (the one it finished under); without the embedded
+        # engine's per-token field, every token is attributed to it.
+        token_versions = [version] * len(output_ids)
+    else:
+        token_versions = [parse_weight_version(v, where=where) for v in token_versions]
+        if len(token_versions) != len(output_ids):
+            raise EngineError(
+                f"{where}: output_token_weight_versions has {len(token_versions)} entries for "
+                f"{len(output_ids)} output tokens"
+            )
     return GenerateOutput(
         output_ids=output_ids,
         output_logprobs=logprobs,
         finish_reason=ftype,
-        weight_version=parse_weight_version(meta.get("weight_version"), where=where),
+        weight_version=version,
         text=data.get("text") or "",
         routed_experts=routed,
         prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
+        output_weight_versions=token_versions,
     )
 
 

@@ -76,5 +76,16 @@ class ConsoleTracker:
         self.console.print(table)
         self.progress.advance(self._steps)
 
+    @hookimpl
+    def miles_on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        if metrics.get("eval/skipped"):
+            self.console.print(f"[yellow]eval of step {step} skipped[/yellow]")
+            return
+        score = metrics.get("eval/score", float("nan"))
+        delay = metrics.get("eval/delay_steps", 0.0)
+        self.console.print(
+            f"[bold]eval[/bold] of step {step}: score {score:.4g} (arrived {delay:.0f} steps later)"
+        )
+
     def close(self) -> None:
         self.progress.stop()

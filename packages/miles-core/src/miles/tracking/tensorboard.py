@@ -25,5 +25,9 @@ class TensorBoardTracker:
                 self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
+    @hookimpl
+    def miles_on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.miles_on_metrics(step, metrics)  # plotted at the step it measured, whenever it arrived
+
     def close(self) -> None:
         self._writer.close()

@@ -63,6 +63,8 @@ class GroupRollout:
 
     async def _run_one(self, ctx: RolloutContext, sample: Sample, *, reward: bool) -> None:
         await self.generate(ctx, sample)
+        if ctx.on_generation_done is not None:
+            ctx.on_generation_done(sample)
         sample.check_aligned()
         if sample.status in (Status.ABORTED, Status.FAILED):
             return

@@ -100,7 +100,10 @@ class EmbeddedEngine:
         )
         self.runner = runner
         self.scheduler = Scheduler(
-            runner, max_batch_size=options.max_batch_size, mergeable=cache_is_mergeable(model)
+            runner,
+            max_batch_size=options.max_batch_size,
+            mergeable=cache_is_mergeable(model),
+            version=self._token_version,
         )
         self._version = str(options.weight_version)
         self._version_lock = threading.Lock()
@@ -132,6 +135,10 @@ class EmbeddedEngine:
     def weight_version(self) -> str:
         with self._version_lock:
             return self._version
+
+    def _token_version(self) -> int:
+        version = self.weight_version
+        return int(version) if version.lstrip("-").isdigit() else -1
 
     def set_weight_version(self, version: str) -> None:
         with self._version_lock:
@@ -311,6 +318,9 @@ class EmbeddedEngine:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weight_version,
+            # Not in SGLang: the version each output token was sampled under (a request that spans
+            # a weight update carries both), so staleness is measured from the oldest token.
+            "output_token_weight_versions": list(req.output_versions),
         }
         if req.return_logprob:
             meta["output_token_logprobs"] = self._triples(

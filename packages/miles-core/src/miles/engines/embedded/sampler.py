@@ -68,6 +68,7 @@ class GenRequest:
     routed_start: int = 0  # first position whose routing is returned
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)  # weight version of each output token
     # Routing of every consumed token in position order, as int32 chunks of [n, num_layers, topk]
     # (copies, so a prefill's whole-batch capture is not kept alive by one row).
     routed: list[torch.Tensor] = field(default_factory=list)

@@ -34,6 +34,7 @@ import collections
 import logging
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from miles.engines.embedded.sampler import DecodeBatch, GenRequest, Runner, merge_batches, select_rows
@@ -44,8 +45,18 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class Scheduler:
-    def __init__(self, runner: Runner, *, max_batch_size: int, mergeable: bool) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        max_batch_size: int,
+        mergeable: bool,
+        version: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.runner = runner
+        # The weight version each new token is sampled under (it changes only between steps,
+        # under step_lock, so one step's tokens share one version).
+        self.version = version
         self.max_batch_size = max_batch_size
         self.mergeable = mergeable
         self.step_lock = threading.Lock()  # held for every step and every batch or weight change
@@ -197,6 +208,7 @@ class Scheduler:
             return
         if self._batch is not None:
             self.runner.decode(self._batch)
+            self._stamp_versions(self._batch.rows)
             n = len(self._batch)
             self.stats["decode_steps"] += 1
             self.stats["decode_rows"] += n
@@ -206,6 +218,7 @@ class Scheduler:
         if new:
             scored = [r.pending_input_positions for r in new if r.pending_input_positions > 0]
             fresh = self.runner.prefill(new)
+            self._stamp_versions(new)
             self.stats["scoring_requests"] += len(scored)
             self.stats["input_positions_scored"] += sum(scored)
             self.stats["prefill_batches"] += 1
@@ -213,6 +226,13 @@ class Scheduler:
             self.stats["max_prefill_batch"] = max(self.stats["max_prefill_batch"], len(new))
             self._batch = merge_batches(self._batch, fresh)
             self._retire()
+
+    def _stamp_versions(self, rows: list[GenRequest]) -> None:
+        version = self.version()
+        for row in rows:
+            missing = len(row.output_ids) - len(row.output_versions)
+            if missing > 0:
+                row.output_versions.extend([version] * missing)
 
     def _admit(self) -> list[GenRequest]:
         running = len(self._batch) if self._batch is not None else 0
