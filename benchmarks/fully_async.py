@@ -8,9 +8,10 @@ step trains on exactly prompts_per_step x n_samples_per_prompt samples. Reported
 
 - trained samples per second over the measured steps (the first ``--warmup`` are skipped);
 - the bound: prompts_per_step x n / max(rollout time, train time) per step, where the
-  rollout time is the episode-seconds a step trains on divided by the trajectories the
-  worker keeps in flight, and the train time is the synchronous run's trainer time per step
-  (score, train, weight update; measured without generation competing for the CPU);
+  rollout time is a batch's trajectories x the mean episode time (over every trajectory the
+  asynchronous run finished) / the trajectories the worker keeps in flight, and the train time
+  is the synchronous run's trainer time per step (score, train, weight update; measured
+  without generation competing for the CPU);
 - queue size and staleness per step of the asynchronous run, plotted to docs/img.
 """
 
@@ -38,11 +39,11 @@ from miles.plugins import get_plugin_manager  # noqa: E402
 class StepLog:
     def __init__(self) -> None:
         self.rows: dict[int, dict] = {}
-        self.episode_s: dict[int, list[float]] = {}
+        self.episode_s: list[float] = []  # every finished trajectory, trained or not
 
     @hookimpl
-    def miles_advantages_postprocess(self, batch):
-        self.episode_s[batch.step] = [s.metadata.get("episode_s", 0.0) for s in batch.samples]
+    def miles_rollout_postprocess(self, groups, step):
+        self.episode_s.extend(s.metadata.get("episode_s", 0.0) for g in groups for s in g.samples)
 
     @hookimpl
     def miles_on_metrics(self, step, metrics):
@@ -65,8 +66,12 @@ def run_once(schedule: str, args, out_dir: str) -> StepLog:
         "tracking.tensorboard=false",
         f"schedule={schedule}",
         f"fully_async.max_inflight={args.inflight}",
+        f"fully_async.max_staleness={args.max_staleness}",
     ]
     config = load_recipe("default", overrides)
+    import heavy_tail_env
+
+    heavy_tail_env.reset_attempts()
     log = StepLog()
     pm = get_plugin_manager()
     pm.register(log)
@@ -87,8 +92,16 @@ def summarize(sync: StepLog, fa: StepLog, args) -> dict:
     train_time = statistics.median(
         sync.rows[s]["time/step_s"] - sync.rows[s]["time/rollout_s"] for s in steps
     )
-    rollout_time = statistics.median(sum(fa.episode_s[s]) / args.inflight for s in steps)
+    # The engines kept busy produce max_inflight trajectories per mean episode time. The mean is over
+    # every trajectory the run finished: a per-batch figure would under-count the stragglers.
+    rollout_time = batch * statistics.fmean(fa.episode_s) / args.inflight
     bound = batch / max(train_time, rollout_time)
+    # The same bound with the trainer's time as measured in the asynchronous run itself, where it
+    # shares the CPU with the engine and the rollout worker (on separate GPUs it would not).
+    async_train_time = statistics.fmean(
+        fa.rows[s]["time/step_s"] - fa.rows[s]["time/wait_for_batch_s"] for s in steps
+    )
+    shared_cpu_bound = batch / max(async_train_time, rollout_time)
     sync_rate, fa_rate = per_s(sync), per_s(fa)
     return {
         "sync_samples_per_s": sync_rate,
@@ -96,11 +109,23 @@ def summarize(sync: StepLog, fa: StepLog, args) -> dict:
         "speedup": fa_rate / sync_rate,
         "bound_samples_per_s": bound,
         "fraction_of_bound": fa_rate / bound,
+        "shared_cpu_bound_samples_per_s": shared_cpu_bound,
+        "fraction_of_shared_cpu_bound": fa_rate / shared_cpu_bound,
+        "fully_async_train_time_per_step_s": async_train_time,
         "train_time_per_step_s": train_time,
         "rollout_time_per_step_s": rollout_time,
         "sync_median_step_s": statistics.median(sync.rows[s]["time/step_s"] for s in steps),
         "fully_async_median_step_s": statistics.median(fa.rows[s]["time/step_s"] for s in steps),
         "fully_async_median_wait_s": statistics.median(fa.rows[s]["time/wait_for_batch_s"] for s in steps),
+        "fully_async_mean_inflight": statistics.fmean(
+            fa.rows[s]["rollout/fully_async/inflight_samples"] for s in steps
+        ),
+        "fully_async_stale_groups": sum(
+            fa.rows[s]["rollout/fully_async/stale_groups_filtered"] for s in steps
+        ),
+        "fully_async_mean_queue": statistics.fmean(
+            fa.rows[s]["rollout/fully_async/queue_size"] for s in steps
+        ),
     }
 
 
@@ -135,6 +160,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--median", type=float, default=0.15)
     parser.add_argument("--sigma", type=float, default=1.2)
+    parser.add_argument(
+        "--max-staleness", default="8", help="fully_async.max_staleness ('null': never drop for staleness)"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
     results = []
