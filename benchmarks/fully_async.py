@@ -68,6 +68,8 @@ def run_once(schedule: str, args, out_dir: str) -> StepLog:
         f"fully_async.max_inflight={args.inflight}",
         f"fully_async.max_staleness={args.max_staleness}",
     ]
+    if args.device == "cuda":  # disaggregated: the trainer on cuda:0, the engine on cuda:1
+        overrides += ["fsdp.device=cuda", "engine.device=cuda:1"]
     config = load_recipe("default", overrides)
     import heavy_tail_env
 
@@ -164,6 +166,8 @@ def main() -> None:
         "--max-staleness", default="8", help="fully_async.max_staleness ('null': never drop for staleness)"
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     args = parser.parse_args()
     results = []
     fa = None
@@ -187,9 +191,12 @@ def main() -> None:
         "repeats": results,
         "median": medians,
     }
-    with open(os.path.join(args.out, f"fully_async_{stamp}.json"), "w") as f:
+    suffix = "" if args.device == "cpu" else f"_{args.device}"
+    with open(os.path.join(args.out, f"fully_async_{stamp}{suffix}.json"), "w") as f:
         json.dump(record, f, indent=2)
-    img = os.path.join(HERE, "..", "docs", "img", "fully_async_queue.png")
+    if args.no_plot:
+        return
+    img = os.path.join(HERE, "..", "docs", "img", f"fully_async_queue{suffix}.png")
     os.makedirs(os.path.dirname(img), exist_ok=True)
     plot(fa, img)
     print(f"wrote {img}")

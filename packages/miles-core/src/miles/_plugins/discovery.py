@@ -35,6 +35,7 @@ KIND_GROUPS: dict[str, str] = {
     "data_source": "miles.data_sources",
     "engine": "miles.engines",
     "eval_backend": "miles.eval_backends",
+    "session_matcher": "miles.session_matchers",
 }
 GROUP_KINDS: dict[str, str] = {group: kind for kind, group in KIND_GROUPS.items()}
 ALL_GROUPS: tuple[str, ...] = (*KIND_GROUPS.values(), HOOKS_GROUP)
