@@ -289,3 +289,20 @@ def test_a_request_spanning_a_weight_update_reports_each_tokens_version(url: str
     # The client keeps the per-token versions, so staleness is measured from the oldest token.
     parsed = parse_generate_response(out, prompt_len=3)
     assert parsed.token_versions() == versions
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(url: str) -> None:
+    # 5e-324 is 0.0 in float32: a naive nucleus cut would drop every token and sample from NaNs.
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 4, "top_p": 5e-324, "ignore_eos": True},
+    }
+    out = post(url, body).json()
+    assert len(out["output_ids"]) == 4
+    greedy = post(url, {**body, "sampling_params": {**body["sampling_params"], "temperature": 0.0}}).json()
+    assert out["output_ids"] == greedy["output_ids"]
+    # Likewise a temperature too small for float32 logits is greedy, not a division by zero.
+    tiny = post(
+        url, {**body, "sampling_params": {**body["sampling_params"], "top_p": 1.0, "temperature": 5e-324}}
+    )
+    assert tiny.json()["output_ids"] == greedy["output_ids"]

@@ -31,7 +31,11 @@ def test_fully_async_run_on_a_ray_cluster(ray_address: str, tmp_path) -> None:
         "--set", f"placement.ray_address={ray_address}",
     ]  # fmt: skip
     env = {**os.environ, "MILES_DISABLE_PLUGINS": "broken"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+        pytest.fail(f"the run did not finish in 400 s; its output:\n{out[-4000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "default" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

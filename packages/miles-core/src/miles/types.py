@@ -137,6 +137,7 @@ class GenerateOutput:
     text: str = ""
     routed_experts: list[list[list[int]]] | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     # The version each output token was sampled under (differs across a mid-request weight update).
     output_weight_versions: list[int] | None = None
 

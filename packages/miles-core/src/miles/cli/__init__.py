@@ -22,6 +22,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("miles.cli.plugins:plugins", "List installed plugins: what they provide and their status."),
     "recipes": ("miles.cli.recipes:recipes", "List the recipes that can be run by name."),
     "models": ("miles.cli.models:models", "Built-in models (usable as model.path: builtin:NAME)."),
+    "check-family": (
+        "miles.cli.families:check_family",
+        "Check that family NAME's rendering stays append-only from turn to turn (CPU).",
+    ),
 }
 
 

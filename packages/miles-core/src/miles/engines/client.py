@@ -438,6 +438,7 @@ def parse_generate_response(
         text=data.get("text") or "",
         routed_experts=routed,
         prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
         output_weight_versions=token_versions,
     )
 

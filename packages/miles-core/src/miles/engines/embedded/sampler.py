@@ -145,6 +145,10 @@ def top_and_requested(
     return tops, requested
 
 
+# Below this a temperature is treated as 0 (greedy): dividing float32 logits by it would overflow.
+MIN_TEMPERATURE = 1e-5
+
+
 def sample_tokens(
     logits: torch.Tensor, rows: Sequence[GenRequest], default_generator: torch.Generator
 ) -> tuple[list[int], list[float], torch.Tensor]:
@@ -152,13 +156,15 @@ def sample_tokens(
     the full log-probs [B, V] they were taken from."""
     logits = logits.float()
     temps = torch.tensor(
-        [r.temperature if r.temperature > 0 else 1.0 for r in rows], device=logits.device, dtype=torch.float32
+        [r.temperature if r.temperature >= MIN_TEMPERATURE else 1.0 for r in rows],
+        device=logits.device,
+        dtype=torch.float32,
     )
     logp = F.log_softmax(logits / temps[:, None], dim=-1)
     vocab = logits.shape[-1]
     tokens: list[int] = []
     for i, row in enumerate(rows):
-        if row.temperature <= 0:
+        if row.temperature < MIN_TEMPERATURE:  # greedy; also what a vanishing temperature tends to
             tokens.append(int(torch.argmax(logits[i])))
             continue
         filtered = logp[i]
@@ -170,6 +176,7 @@ def sample_tokens(
             probs = sorted_lp.exp()
             # Drop a token once the mass before it already reaches top_p (the top token always stays).
             drop = (torch.cumsum(probs, dim=-1) - probs) >= row.top_p
+            drop[0] = False  # even when top_p rounds to 0 in float32 (a subnormal top_p)
             filtered = filtered.clone()
             filtered[order[drop]] = float("-inf")
         probs = torch.softmax(filtered, dim=-1)

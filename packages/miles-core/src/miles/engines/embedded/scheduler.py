@@ -217,7 +217,16 @@ class Scheduler:
         new = self._admit()
         if new:
             scored = [r.pending_input_positions for r in new if r.pending_input_positions > 0]
-            fresh = self.runner.prefill(new)
+            try:
+                fresh = self.runner.prefill(new)
+            except Exception as exc:
+                # These rows are not in the running batch yet: answer them here, or their callers
+                # would wait forever; the step's error then fails the running batch as usual.
+                for row in new:
+                    row.error = f"{type(exc).__name__}: {exc}"
+                    row.finish = {"type": "abort", "message": row.error}
+                    self._done(row)
+                raise
             self._stamp_versions(new)
             self.stats["scoring_requests"] += len(scored)
             self.stats["input_positions_scored"] += sum(scored)

@@ -1,0 +1,20 @@
+"""Model families for token-in-token-out sessions: template, parsers and boundary rules, by name.
+
+See ``docs/model-families.md``. Importing this package loads no tokenizer library.
+"""
+
+from miles.families.base import FamilyArtefactError, FamilyError, ModelFamily, ParsedReply, TemplateEdit
+from miles.families.registry import GENERIC, get_family, is_registered, register_family, registered_families
+
+__all__ = [
+    "GENERIC",
+    "FamilyArtefactError",
+    "FamilyError",
+    "ModelFamily",
+    "ParsedReply",
+    "TemplateEdit",
+    "get_family",
+    "is_registered",
+    "register_family",
+    "registered_families",
+]
