@@ -188,3 +188,32 @@ def test_worker_failure_surfaces_with_its_traceback():
 def test_slots_refuse_a_limit_below_one_group():
     with pytest.raises(ValueError, match="at least"):
         Slots(capacity=1, group_size=2)
+
+
+_BLOCKED_AT_EXIT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from driver.test_async_worker import TimedRollout, make_worker
+worker, buffer, _ = make_worker(TimedRollout({{}}), replacement="sample", capacity=1)
+worker.start()
+while len(buffer) < 1:
+    time.sleep(0.02)
+time.sleep(0.3)  # the next finished group is now blocked in put: the buffer holds 1 and nobody takes
+worker.stop()
+print("stopped", flush=True)
+"""
+
+
+def test_a_put_blocked_at_shutdown_does_not_keep_the_process_alive():
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_AT_EXIT.format(tests=tests)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "stopped" in proc.stdout, proc.stderr[-2000:]

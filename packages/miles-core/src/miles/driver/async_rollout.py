@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import queue
 import threading
 import time
 import traceback
@@ -103,6 +104,8 @@ class AsyncRolloutWorker:
         self._ctx: RolloutContext | None = None
         self._slots: Slots | None = None
         self._ready = threading.Event()
+        self._to_buffer: queue.Queue[Group | None] = queue.Queue()  # finished groups, for the putter
+        self._put_pending = 0
 
     # ------------------------------------------------------------- driver API
 
@@ -171,30 +174,29 @@ class AsyncRolloutWorker:
         group_size = self._ctx.n_samples_per_prompt
         self._slots = Slots(self.max_inflight, group_size)
         self._ready.set()
-        finished: asyncio.Queue[Group | None] = asyncio.Queue()
         self._put_pending = 0
         tasks: set[asyncio.Task] = set()
-        putter = asyncio.create_task(self._putter(finished))
+        putter = threading.Thread(target=self._put_forever, name="miles-buffer-put", daemon=True)
+        putter.start()
         self._main_task = asyncio.current_task()
         try:
             while not self._stopping:
                 if not self._may_start():
                     self._slots.changed.clear()
                     await self._slots.changed.wait()
-                    if putter.done():
-                        putter.result()  # re-raise a failed put
                     continue
                 prompt = (await asyncio.to_thread(self.data_source.next_prompts, 1))[0]
                 self._slots.acquire_group()
                 self._counters["groups_started"] += 1
-                task = asyncio.create_task(self._run_group(prompt, finished))
+                task = asyncio.create_task(self._run_group(prompt))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 task.add_done_callback(self._surface_failure)
         finally:
-            for task in [*tasks, putter]:
+            self._to_buffer.put(None)  # ends the putter (unless a put is blocked: it is a daemon)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, putter, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _may_start(self) -> bool:
         assert self._slots is not None
@@ -205,7 +207,7 @@ class AsyncRolloutWorker:
             and self._error is None
         )
 
-    async def _run_group(self, prompt: Prompt, finished: asyncio.Queue) -> None:
+    async def _run_group(self, prompt: Prompt) -> None:
         assert self._ctx is not None and self._slots is not None
         slots = self._slots
         generating = held = slots.group_size  # trajectories still generating / places still held
@@ -235,17 +237,30 @@ class AsyncRolloutWorker:
         self._counters["groups_finished"] += len(groups)
         for group in groups:
             self._put_pending += 1
-            await finished.put(group)
+            self._to_buffer.put(group)
 
-    async def _putter(self, finished: asyncio.Queue) -> None:
-        """The only caller of ``buffer.put``: one at a time, in a thread (it blocks when full)."""
+    def _put_forever(self) -> None:
+        """The only caller of ``buffer.put``, one group at a time (it blocks while the buffer is full).
+
+        A daemon thread of its own, not the loop's executor: a put still blocked when the run
+        ends must not keep the process from exiting.
+        """
         while True:
-            group = await finished.get()
+            group = self._to_buffer.get()
+            if group is None:
+                return
             try:
-                await asyncio.to_thread(self.buffer.put, group)
+                self.buffer.put(group)
+            except BaseException:
+                self._error = traceback.format_exc()
+                self._stopping = True
             finally:
-                self._put_pending -= 1
-                self._wake()
+                with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                    self._loop.call_soon_threadsafe(self._put_done)
+
+    def _put_done(self) -> None:
+        self._put_pending -= 1
+        self._wake()
 
     def _surface_failure(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
