@@ -41,7 +41,8 @@ RAY_ENV = {
 for _key, _value in RAY_ENV.items():
     os.environ.setdefault(_key, _value)
 
-from fsdp.helpers import build_tiny_qwen3  # noqa: E402
+# The tiny model and the backend starter are the FSDP tests' own (the Ray rank group runs the same backend).
+from fsdp.conftest import backend_factory, tiny_model  # noqa: E402, F401
 
 _STOP_GRACE_S = 1.0  # Ray's daemons often ignore SIGTERM; the cluster is thrown away anyway
 
@@ -128,26 +129,3 @@ def ray_cluster(ray_address: str):
 
     with ray_session(ray_address) as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3")))
-
-
-@pytest.fixture
-def backend_factory():
-    """Start FSDPBackends and always shut them down."""
-    from miles_fsdp.backend import FSDPBackend
-
-    started = []
-
-    def start(spec):
-        b = FSDPBackend()
-        started.append(b)
-        b.setup(spec)
-        return b
-
-    yield start
-    for b in started:
-        b.shutdown()

@@ -13,6 +13,7 @@ value that reads as JSON is taken as JSON.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -109,8 +110,11 @@ def coerce_value(raw: str, kind: Any) -> Any:
         return raw
 
 
-class _BlockParser:
-    """Shared loop: find ``start … end`` blocks, parse each, keep the rest as content."""
+class _BlockParser(abc.ABC):
+    """Shared loop: find ``start … end`` blocks, parse each, keep the rest as content.
+
+    Each family's tool-call format subclasses it and says how one block's body becomes a call.
+    """
 
     name = "block"
     start = ""
@@ -118,8 +122,9 @@ class _BlockParser:
     #: Whether text between two blocks is content (False: formats that wrap all calls in one section).
     outer: tuple[str, str] | None = None
 
+    @abc.abstractmethod
     def parse_block(self, body: str, tools: Sequence[Mapping[str, Any]] | None, index: int) -> dict[str, Any]:
-        raise NotImplementedError
+        """One block's body as an OpenAI tool call; raise ``ValueError`` when it does not parse."""
 
     def parse(self, text: str, tools: Sequence[Mapping[str, Any]] | None) -> ToolParse:
         region_start, region_end = 0, len(text)
