@@ -43,6 +43,7 @@ EMBEDDED_OPTIONS = {
     "delta_root",
     "update_timeout_s",
     "log_level",
+    "prefix_cache_tokens",
     "url",
     "env",
 }
@@ -289,6 +290,7 @@ class EmbeddedLauncher(_ProcessLauncher):
     ``handoff_dir``, ``torch_threads``, ``seed``, ``weight_version``,
     ``delta_root`` (where disk-delta versions are read from), ``update_timeout_s``
     (how long a staged multi-bucket update may wait for its next bucket),
+    ``prefix_cache_tokens`` (KV kept across requests for prefix reuse; 0 turns it off),
     ``startup_timeout_s``, ``log_level``, ``env`` (extra environment), or ``url``
     to attach to an engine that is already running.
     """
@@ -324,6 +326,7 @@ class EmbeddedLauncher(_ProcessLauncher):
             "delta_root": "--delta-root",
             "update_timeout_s": "--update-timeout-s",
             "log_level": "--log-level",
+            "prefix_cache_tokens": "--prefix-cache-tokens",
         }
         for key, flag in flags.items():
             if o.get(key) is not None:

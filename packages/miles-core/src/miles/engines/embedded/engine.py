@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from miles.engines.embedded.prefix_cache import PrefixCache
 from miles.engines.embedded.routing import RoutingRecorder
 from miles.engines.embedded.sampler import GenRequest, Runner, cache_is_mergeable
 from miles.engines.embedded.scheduler import Scheduler
@@ -36,6 +37,8 @@ class EngineOptions:
     weight_version: str = "0"
     delta_root: str | None = None  # where /update_weights_from_disk_delta finds v{version:06d}
     update_timeout_s: float = 300.0  # a staged multi-bucket update with no bucket for this long is dropped
+    # Most tokens the prefix cache keeps over all its entries (see prefix_cache); 0 disables it.
+    prefix_cache_tokens: int = 65536
 
 
 def _eos_ids(model: Any) -> set[int]:
@@ -68,6 +71,10 @@ class EmbeddedEngine:
     def __init__(self, options: EngineOptions) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if options.prefix_cache_tokens < 0:
+            raise ValueError(
+                f"prefix_cache_tokens must be >= 0 (0 disables the cache), got {options.prefix_cache_tokens}"
+            )
         self.options = options
         self.device = torch.device(options.device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -99,11 +106,22 @@ class EmbeddedEngine:
             model, self.device, max_context=self.max_context, recorder=self.recorder, seed=options.seed
         )
         self.runner = runner
+        mergeable = cache_is_mergeable(model)
+        prefix_cache = None
+        if options.prefix_cache_tokens > 0 and mergeable:
+            prefix_cache = PrefixCache(options.prefix_cache_tokens)
+        elif options.prefix_cache_tokens > 0:
+            log.warning(
+                "no prefix cache: %s has cache layers other than DynamicLayer (sliding windows, linear "
+                "attention), whose rows cannot be cut out of a batch",
+                type(model).__name__,
+            )
         self.scheduler = Scheduler(
             runner,
             max_batch_size=options.max_batch_size,
-            mergeable=cache_is_mergeable(model),
+            mergeable=mergeable,
             version=self._token_version,
+            prefix_cache=prefix_cache,
         )
         self._version = str(options.weight_version)
         self._version_lock = threading.Lock()
@@ -112,6 +130,8 @@ class EmbeddedEngine:
             step_lock=self.scheduler.step_lock,
             get_version=lambda: self.weight_version,
             set_version=self.set_weight_version,
+            # KV computed by the old weights must never be reused: every weight change empties the cache.
+            on_change=self.scheduler.flush_prefix_cache,
             handoff_dir=options.handoff_dir,
             delta_root=options.delta_root,
             update_timeout_s=options.update_timeout_s,
@@ -143,6 +163,11 @@ class EmbeddedEngine:
     def set_weight_version(self, version: str) -> None:
         with self._version_lock:
             self._version = str(version)
+
+    def flush_cache(self) -> int:
+        """Drop the prefix cache (between two scheduler steps); returns how many entries it held."""
+        with self.scheduler.step_lock:
+            return self.scheduler.flush_prefix_cache()
 
     # ----------------------------------------------------------- generation
 
@@ -316,7 +341,8 @@ class EmbeddedEngine:
             "finish_reason": req.finish,
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
+            # Prompt tokens whose KV the request's first prefill took from the prefix cache.
+            "cached_tokens": req.cached_tokens,
             "weight_version": self.weight_version,
             # Not in SGLang: the version each output token was sampled under (a request that spans
             # a weight update carries both), so staleness is measured from the oldest token.
@@ -365,6 +391,7 @@ class EmbeddedEngine:
 
     def server_info(self) -> dict[str, Any]:
         running, waiting = self.scheduler.counts()
+        cache = self.scheduler.prefix_cache
         stats = dict(self.scheduler.stats)
         steps = stats["decode_steps"]
         stats["mean_decode_batch"] = stats["decode_rows"] / steps if steps else 0.0
@@ -376,7 +403,10 @@ class EmbeddedEngine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_batch_size": self.options.max_batch_size,
+            "dp_size": 1,  # one data-parallel rank: /generate takes data_parallel_rank null or 0
             "continuous_batching": self.scheduler.mergeable,
+            # None when disabled (prefix_cache_tokens 0, or a model whose caches cannot be merged).
+            "prefix_cache": cache.describe() if cache is not None else None,
             "torch_threads": torch.get_num_threads(),
             "pid": os.getpid(),
             "weight_version": self.weight_version,

@@ -13,6 +13,14 @@ needs plain ``DynamicLayer`` caches; for models whose cache has other layer
 types (sliding windows, linear attention) :func:`cache_is_mergeable` says no and
 the scheduler admits new requests only into an empty batch.
 
+Prefix-cache hits (see ``prefix_cache``): a row whose first ``c`` tokens have cached
+KV feeds only the rest, at positions ``c ..``, on top of a copy of that KV. Rows with
+hits are prefilled together (their cached KV left-padded to the longest, their new
+tokens left-padded as usual), so such a row's mask has a gap of padding between its
+cached prefix and its new tokens; positions and the mask account for it, and
+:func:`row_kv` reads a row's KV back through the mask. Rows without a hit take the
+plain path, as if there were no cache.
+
 Reported log-probabilities: for a row sampled at temperature ``T > 0`` the
 logprob of token ``t`` is ``log_softmax(logits / T)[t]``, taken over the *full*
 vocabulary, before top-k / top-p truncation. That is exactly what the trainer
@@ -44,6 +52,7 @@ import torch
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
+    from miles.engines.embedded.prefix_cache import KVLayers, PrefixHit
     from miles.engines.embedded.routing import RoutingRecorder
 
 
@@ -89,6 +98,15 @@ class GenRequest:
     output_top: list[TopEntry] = field(default_factory=list)  # one per output token
     output_ids_logprobs: list[list[float]] = field(default_factory=list)
     input_scored: bool = False  # set once; a retracted request is not scored again
+    # Prefix cache (set by the scheduler): prompt tokens the first prefill took from the cache
+    # (meta_info.cached_tokens), and the cache generation the row's KV was started under.
+    cached_tokens: int = 0
+    kv_generation: int = -1
+
+    @property
+    def sequence(self) -> list[int]:
+        """What a prefill feeds: the prompt and every output so far (a retracted row's included)."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def num_fed(self) -> int:
@@ -234,6 +252,16 @@ def merge_batches(a: DecodeBatch | None, b: DecodeBatch | None) -> DecodeBatch |
     return DecodeBatch(rows=a.rows + b.rows, cache=_rebuild_cache(layers), mask=mask)
 
 
+def row_kv(batch: DecodeBatch, i: int) -> KVLayers:
+    """Row ``i``'s KV without padding: per layer ``(key, value)``, each ``[1, kv_heads, n, head_dim]``
+    with ``n`` the tokens the row consumed; fresh tensors that share no memory with the batch."""
+    columns = batch.mask[i].nonzero().squeeze(1)
+    return [
+        (k[i : i + 1].index_select(2, columns), v[i : i + 1].index_select(2, columns))
+        for k, v, _ in batch.cache
+    ]
+
+
 def select_rows(batch: DecodeBatch, keep: list[int], mergeable: bool) -> DecodeBatch | None:
     """Keep only rows ``keep``; drop cache columns that became padding for every row."""
     if not keep:
@@ -328,27 +356,89 @@ class Runner:
         return spans
 
     @torch.inference_mode()
-    def prefill(self, rows: list[GenRequest]) -> DecodeBatch:
-        """Feed every row's prompt (and, for retracted rows, all outputs so far); record the
-        requested input log-probs; sample the next token."""
+    def prefill(self, rows: list[GenRequest], hits: Sequence[PrefixHit | None] | None = None) -> DecodeBatch:
+        """Feed every row's :attr:`~GenRequest.sequence`; record the requested input log-probs
+        and routing; sample the next token.
+
+        ``hits[i]``, when given, holds cached KV of row ``i``'s first ``hits[i].length``
+        tokens (the caller has checked that none of the row's scored positions lies
+        inside it, and that it carries routing where the row needs it): such rows feed
+        only the rest. Rows without a hit are prefilled exactly as without a cache.
+        """
+        if hits is None or not any(hits):
+            return self._prefill(rows, [r.sequence for r in rows])
+        cold = [r for r, h in zip(rows, hits, strict=True) if h is None]
+        warm = [(r, h) for r, h in zip(rows, hits, strict=True) if h is not None]
+        batch = self._prefill(cold, [r.sequence for r in cold]) if cold else None
+        return merge_batches(batch, self._prefill_on_hits(warm))
+
+    def _prefill_on_hits(self, pairs: list[tuple[GenRequest, PrefixHit]]) -> DecodeBatch:
+        """Prefill rows on top of their cached prefixes, all in one batch."""
+        longest = max(hit.length for _, hit in pairs)
+        layers = []
+        # torch.cat copies, so decoding never writes into a cache entry (nor does DynamicLayer,
+        # which only ever concatenates).
+        for per_row in zip(*(hit.kv() for _, hit in pairs), strict=True):
+            layers.append(
+                (
+                    torch.cat([_pad_left(k, longest, -2) for k, _ in per_row], dim=0),
+                    torch.cat([_pad_left(v, longest, -2) for _, v in per_row], dim=0),
+                )
+            )
+        past_mask = torch.zeros(len(pairs), longest, dtype=torch.long, device=self.device)
+        for i, (row, hit) in enumerate(pairs):
+            past_mask[i, longest - hit.length :] = 1
+            if row.return_routed_experts and row.num_routed < hit.length:
+                routed = hit.routed()
+                if routed is None:
+                    raise RuntimeError(
+                        f"request {row.rid}: a prefix-cache hit without routing for a routed row"
+                    )
+                row.routed.append(routed[row.num_routed :].clone())
+                row.num_routed = hit.length
+        rows = [row for row, _ in pairs]
+        tails = [row.sequence[hit.length :] for row, hit in pairs]
+        past = (_rebuild_cache(layers), past_mask, [hit.length for _, hit in pairs])
+        return self._prefill(rows, tails, past)
+
+    def _prefill(
+        self,
+        rows: list[GenRequest],
+        tails: list[list[int]],
+        past: tuple[Any, torch.Tensor, list[int]] | None = None,
+    ) -> DecodeBatch:
+        """Feed ``tails[i]``, the end of row ``i``'s sequence, left-padded; sample.
+
+        ``past``: ``(cache, mask [B, C], starts)`` when the rows' first ``starts[i]``
+        tokens are already in ``cache`` (else a fresh cache and ``tails`` are the whole
+        sequences). Each tail ends at the right edge, so column ``c`` holds sequence
+        position ``c - width + len(sequence)`` for every row, with or without a past.
+        """
         from transformers import DynamicCache
 
-        seqs = [r.prompt_ids + r.output_ids for r in rows]
-        width = max(len(s) for s in seqs)
+        width = max(len(t) for t in tails)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
+        for i, t in enumerate(tails):
+            ids[i, width - len(t) :] = torch.tensor(t, dtype=torch.long)
+            mask[i, width - len(t) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        if past is None:
+            cache, starts = DynamicCache(config=self.model.config), [0] * len(rows)
+        else:
+            cache, past_mask, starts = past
+            positions = positions + torch.tensor(starts, dtype=torch.long, device=self.device)[:, None]
+            mask = torch.cat([past_mask, mask], dim=1)
+        past_len = mask.shape[1] - width
         # Rows are left-padded, so every position a row scores lies in the last `keep` columns.
         keep = 1 + max(r.pending_input_positions for r in rows)
         routed_parts: list[torch.Tensor] = []
         logits = None
         for a, b, kept in self._spans(len(rows), width, keep):
-            logits, routing = self._forward(rows, ids[:, a:b], mask[:, :b], positions[:, a:b], cache, kept)
+            logits, routing = self._forward(
+                rows, ids[:, a:b], mask[:, : past_len + b], positions[:, a:b], cache, kept
+            )
             if routing is not None:
                 routed_parts.append(routing)
             if keep > 1:
@@ -358,11 +448,12 @@ class Runner:
                 row.input_scored = True
         if routed_parts:
             routing = torch.cat(routed_parts, dim=1)
-            for i, (row, s) in enumerate(zip(rows, seqs, strict=True)):
-                if row.return_routed_experts and row.num_routed < len(s):
-                    offset = width - len(s)
-                    row.routed.append(routing[i, offset + row.num_routed : offset + len(s)].clone())
-                    row.num_routed = len(s)
+            for i, (row, tail, start) in enumerate(zip(rows, tails, starts, strict=True)):
+                end = start + len(tail)
+                if row.return_routed_experts and row.num_routed < end:
+                    first = width - end + row.num_routed  # the column of position num_routed
+                    row.routed.append(routing[i, first:].clone())
+                    row.num_routed = end
         self._append(rows, logits[:, -1, :])
         return DecodeBatch(rows=list(rows), cache=cache, mask=mask)
 

@@ -13,12 +13,25 @@ Pause modes (``/pause_generation``), as in SGLang:
   ``abort`` (with the tokens it had so far). Requests that arrive while paused wait.
 - ``retract``: running requests go back to the front of the queue with their
   tokens so far; on continue they are prefilled again (under the then-current
-  weights) and keep generating. Their KV cache is dropped.
+  weights, reusing the prefix cache like any request) and keep generating. Their
+  KV cache is dropped.
 - ``in_place``: the batch stops after the current step and keeps its KV cache;
   continue resumes it where it stopped.
 
-The engine keeps no cache across requests (the KV cache lives only as long as the
-running batch), so ``/flush_cache`` has nothing to drop.
+Prefix cache (``prefix_cache``; none for models whose caches cannot be merged):
+every admitted request looks up the longest cached prefix of its tokens, and its
+prefill feeds only the rest; every request that finishes (stop or length, not
+aborted or failed) stores the KV of the tokens it consumed (with their routing when
+it recorded routing). A request does not take from the cache the positions whose
+input log-probs it must compute (it needs their logits); a request that returns
+routed experts uses only entries that recorded routing (the cached positions'
+routing is then the entry's, as SGLang keeps routing with its KV cache).
+The cache is flushed (under ``step_lock``) on every weight change and by
+``/flush_cache``; a request whose KV was started before a flush is not stored (its
+KV may predate the weights). Counters in ``stats``: ``prefix_cache_lookups``,
+``prefix_cache_hits``, ``cached_tokens`` (tokens taken from the cache) and
+``prefilled_tokens`` (tokens fed by prefills, padding excluded; counted with or
+without a cache).
 
 Scoring requests (input log-probs, see ``sampler``) go through the same queue:
 their prompt is scored by the prefill that admits them, batched with whatever
@@ -37,7 +50,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from miles.engines.embedded.sampler import DecodeBatch, GenRequest, Runner, merge_batches, select_rows
+import torch
+
+from miles.engines.embedded.prefix_cache import PrefixCache, PrefixHit
+from miles.engines.embedded.sampler import DecodeBatch, GenRequest, Runner, merge_batches, row_kv, select_rows
 
 log = logging.getLogger("miles.engines.embedded")
 
@@ -52,8 +68,13 @@ class Scheduler:
         max_batch_size: int,
         mergeable: bool,
         version: Callable[[], int] = lambda: 0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
+        if prefix_cache is not None and not mergeable:
+            # A stored entry is one row cut out of a batch cache, which needs plain DynamicLayers.
+            raise ValueError("a prefix cache needs a model whose caches can be merged (cache_is_mergeable)")
         self.runner = runner
+        self.prefix_cache = prefix_cache  # used only under step_lock
         # The weight version each new token is sampled under (it changes only between steps,
         # under step_lock, so one step's tokens share one version).
         self.version = version
@@ -83,6 +104,10 @@ class Scheduler:
             "scoring_requests": 0,
             "input_positions_scored": 0,
             "errors": 0,
+            "prefix_cache_lookups": 0,
+            "prefix_cache_hits": 0,
+            "cached_tokens": 0,
+            "prefilled_tokens": 0,
         }
 
     # ------------------------------------------------------------- public API
@@ -166,6 +191,11 @@ class Scheduler:
             self.paused, self.pause_mode = False, None
             self._wake.notify_all()
 
+    def flush_prefix_cache(self) -> int:
+        """Drop the prefix cache; returns how many entries it held. The caller holds ``step_lock``
+        (a weight change is made under it; ``/flush_cache`` takes it)."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
     def counts(self) -> tuple[int, int]:
         with self._lock:
             return self._num_running, len(self._waiting)
@@ -217,8 +247,9 @@ class Scheduler:
         new = self._admit()
         if new:
             scored = [r.pending_input_positions for r in new if r.pending_input_positions > 0]
+            hits = self._lookup(new)
             try:
-                fresh = self.runner.prefill(new)
+                fresh = self.runner.prefill(new, hits)
             except Exception as exc:
                 # These rows are not in the running batch yet: answer them here, or their callers
                 # would wait forever; the step's error then fails the running batch as usual.
@@ -235,6 +266,53 @@ class Scheduler:
             self.stats["max_prefill_batch"] = max(self.stats["max_prefill_batch"], len(new))
             self._batch = merge_batches(self._batch, fresh)
             self._retire()
+
+    def _lookup(self, rows: list[GenRequest]) -> list[PrefixHit | None]:
+        """Each row's prefix-cache hit (None: a miss, or no cache), with the prefill counters."""
+        cache = self.prefix_cache
+        hits: list[PrefixHit | None] = []
+        for row in rows:
+            tokens = row.sequence
+            hit = None
+            if cache is not None:
+                row.kv_generation = cache.generation
+                # At least the last token is fed: its logits give the next token.
+                limit = len(tokens) - 1
+                if row.pending_input_positions > 0:
+                    limit = min(limit, row.logprob_start)  # scored positions need their logits
+                hit = cache.lookup(tokens, limit, need_routing=row.return_routed_experts)
+                self.stats["prefix_cache_lookups"] += 1
+            cached = hit.length if hit is not None else 0
+            if hit is not None:
+                self.stats["prefix_cache_hits"] += 1
+                self.stats["cached_tokens"] += cached
+            if not row.output_ids:  # a retracted row reports what its first prefill reused
+                row.cached_tokens = min(cached, len(row.prompt_ids))
+            self.stats["prefilled_tokens"] += len(tokens) - cached
+            hits.append(hit)
+        return hits
+
+    def _store(self, batch: DecodeBatch, i: int) -> None:
+        """Keep finished row ``i``'s KV in the prefix cache, when it is complete and current."""
+        row, cache = batch.rows[i], self.prefix_cache
+        if cache is None or row.error is not None or row.kv_generation != cache.generation:
+            return
+        if row.finish is None or row.finish.get("type") not in ("stop", "length"):
+            return
+        tokens = row.sequence[: row.num_fed]
+        kv = row_kv(batch, i)
+        if kv[0][0].shape[2] != len(tokens):  # an invariant of the batch layout; never cache a doubt
+            log.warning(
+                "request %s: its KV covers %d tokens, it consumed %d; not cached",
+                row.rid,
+                kv[0][0].shape[2],
+                len(tokens),
+            )
+            return
+        routed = None
+        if row.return_routed_experts and row.num_routed == len(tokens):
+            routed = torch.cat(row.routed)
+        cache.insert(tokens, kv, routed)
 
     def _stamp_versions(self, rows: list[GenRequest]) -> None:
         version = self.version()
@@ -270,6 +348,10 @@ class Scheduler:
                 done.append(row)
         if not done:
             return
+        if self.prefix_cache is not None:
+            for i, row in enumerate(self._batch.rows):
+                if row.finish is not None:
+                    self._store(self._batch, i)
         self._batch = select_rows(self._batch, keep, self.mergeable)
         with self._lock:
             self._num_running = len(keep)

@@ -14,6 +14,11 @@ buckets of a broadcast or hand-off update are staged until the one carrying
 ``/weights_checker`` (patched SGLang builds have an endpoint of that name with other
 actions).
 
+The engine keeps a prefix cache (see ``miles.engines.embedded.prefix_cache``):
+``meta_info.cached_tokens`` says how many prompt tokens a request took from it;
+``/flush_cache`` empties it, and so does every weight change. It has one
+data-parallel rank: ``data_parallel_rank`` on ``/generate`` may be null or 0.
+
 Run: ``python -m miles.engines.embedded --model PATH [--host 127.0.0.1] [--port P]``.
 """
 
@@ -132,6 +137,19 @@ class GenerateBody(_Body):
         0, ge=0, description="first consumed position whose routing is returned (0: the whole sequence)"
     )
     stream: bool = False
+    data_parallel_rank: int | None = Field(
+        None, description="SGLang's data-parallel rank to run on; this engine has one (dp_size 1): null or 0"
+    )
+
+    @field_validator("data_parallel_rank")
+    @classmethod
+    def _one_rank(cls, v: int | None) -> int | None:
+        if v not in (None, 0):
+            raise ValueError(
+                f"data_parallel_rank {v} does not exist: the embedded engine has one data-parallel rank "
+                "(dp_size 1); send 0 or leave it out"
+            )
+        return v
 
     @field_validator("stream")
     @classmethod
@@ -172,7 +190,11 @@ class _UpdateBody(_Body):
     weight_version: str | None = Field(
         None, description="becomes the engine's version once the update succeeds"
     )
-    flush_cache: bool = Field(True, description="accepted; the engine keeps no cache across requests")
+    flush_cache: bool = Field(
+        True,
+        description="accepted; the embedded engine empties its prefix cache on every weight change regardless "
+        "(KV computed by old weights is never reused)",
+    )
     abort_all_requests: bool = False
 
 
@@ -371,10 +393,13 @@ def create_app(engine: Any) -> FastAPI:
     # ---------------------------------------------------------- control
 
     @app.api_route(
-        "/flush_cache", methods=["GET", "POST"], summary="No-op: the engine keeps no KV cache across requests"
+        "/flush_cache",
+        methods=["GET", "POST"],
+        summary="Empty the prefix cache (between two scheduler steps; requests in flight go on)",
     )
     async def flush_cache() -> PlainTextResponse:
-        return PlainTextResponse("Cache flushed (the embedded engine keeps no cache across requests).\n")
+        dropped = await asyncio.to_thread(engine.flush_cache)
+        return PlainTextResponse(f"Cache flushed ({dropped} prefix-cache entries dropped).\n")
 
     @app.post("/pause_generation", summary="Pause: mode abort | retract | in_place")
     async def pause_generation(body: Annotated[PauseBody | None, Body()] = None) -> dict[str, Any]:
@@ -589,6 +614,13 @@ def _parser() -> argparse.ArgumentParser:
         default=300.0,
         help="drop a staged multi-bucket weight update when no bucket comes for this many seconds",
     )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=65536,
+        help="most tokens of finished requests' KV kept for reuse by later requests with the same prefix "
+        "(a session's next turn); 0 disables the prefix cache",
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -635,6 +667,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"miles embedded engine: --update-timeout-s must be > 0, got {args.update_timeout_s}"
         )
+    if args.prefix_cache_tokens < 0:
+        raise SystemExit(
+            f"miles embedded engine: --prefix-cache-tokens must be >= 0 (0 disables), got {args.prefix_cache_tokens}"
+        )
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(
             f"miles embedded engine: {args.model!r} is not a Hugging Face model directory (no config.json)"
@@ -667,6 +703,7 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
         delta_root=args.delta_root,
         update_timeout_s=args.update_timeout_s,
+        prefix_cache_tokens=args.prefix_cache_tokens,
     )
     t0 = time.monotonic()
     engine = EmbeddedEngine(options)

@@ -165,7 +165,9 @@ class WeightUpdater:
     """All changes to the model's weights. ``lock`` serializes them; commits also take ``step_lock``.
 
     ``step_lock`` is the scheduler's (held for every decode step), ``get_version`` /
-    ``set_version`` read and set the engine's weight version.
+    ``set_version`` read and set the engine's weight version. ``on_change`` is called,
+    under ``step_lock``, after every write to the model's tensors (the engine drops its
+    prefix cache there: KV computed by the old weights must not be reused).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class WeightUpdater:
         handoff_dir: str | None = None,
         delta_root: str | None = None,
         update_timeout_s: float = 300.0,
+        on_change: Callable[[], object] | None = None,
     ) -> None:
         if update_timeout_s <= 0:
             raise ValueError(f"update_timeout_s must be > 0, got {update_timeout_s}")
@@ -193,6 +196,7 @@ class WeightUpdater:
         self._step_lock = step_lock
         self._get_version = get_version
         self._set_version = set_version
+        self._on_change = on_change
         self._staged: _StagedUpdate | None = None
         self._dropped: str | None = None  # why a staged update was dropped without telling its sender
         self._timer: threading.Timer | None = None
@@ -230,9 +234,17 @@ class WeightUpdater:
 
     def apply(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy checked tensors in. The caller holds the scheduler's step lock."""
-        with torch.no_grad():
-            for name, value in tensors.items():
-                self.targets[name].copy_(value)
+        try:
+            with torch.no_grad():
+                for name, value in tensors.items():
+                    self.targets[name].copy_(value)
+        finally:  # even a copy that failed halfway may have changed some tensors
+            self._changed()
+
+    def _changed(self) -> None:
+        """Every write to the model's tensors ends here (under the step lock)."""
+        if self._on_change is not None:
+            self._on_change()
 
     def _commit(self, tensors: Mapping[str, torch.Tensor], weight_version: str | None) -> None:
         """The only moment generation pauses: between two scheduler steps."""
@@ -442,12 +454,15 @@ class WeightUpdater:
         reset: list[str] = []
         untouched: list[str] = []
         with self.lock, self._step_lock, torch.no_grad():
-            for name, tensor in self.unique.items():
-                if name in skipped or not tensor.is_floating_point():
-                    untouched.append(name)
-                    continue
-                tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float32))
-                reset.append(name)
+            try:
+                for name, tensor in self.unique.items():
+                    if name in skipped or not tensor.is_floating_point():
+                        untouched.append(name)
+                        continue
+                    tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float32))
+                    reset.append(name)
+            finally:
+                self._changed()
         log.warning("weights checker: %d tensors filled with random values (seed %d)", len(reset), seed)
         return reset, untouched
 
