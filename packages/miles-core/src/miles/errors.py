@@ -27,3 +27,7 @@ class EngineError(MilesError):
 
 class RunDirError(MilesError):
     """The run directory holds earlier results that would be overwritten."""
+
+
+class ToolError(MilesError):
+    """A tool call the model got wrong (unknown tool, bad arguments); the model sees the message."""

@@ -112,6 +112,9 @@ class RolloutContext:
     scorers: list[SampleScorer] = field(default_factory=list)
     # Applied in order to each reward once it is known (e.g. an overlong penalty).
     reward_postprocess: list[RewardPostprocessor] = field(default_factory=list)
+    # What the multi-turn and agentic generate functions use: the model family, the session rules,
+    # the tools, the agent and, for agentic runs, the session server. None unless ``agentic:`` is set.
+    agentic: AgenticContext | None = None
 
     def engine_for(self, key: int) -> EngineClient:
         return self.engines[key % len(self.engines)]
@@ -129,6 +132,75 @@ class RolloutFn(Protocol):
     """Produces the trajectory groups of one rollout from a batch of prompts."""
 
     def __call__(self, ctx: RolloutContext, prompts: list[Prompt]) -> Awaitable[list[Group]]: ...
+
+
+@runtime_checkable
+class ToolSet(Protocol):
+    """Tools a multi-turn episode may call: their OpenAI specs and how to run one call.
+
+    ``call`` gets the parsed JSON arguments and returns the tool message's content. It raises
+    ``ToolError`` for a call the model got wrong (unknown tool, bad arguments): the episode goes
+    on and the model sees the error text, as it would from a real tool. Anything else it
+    raises fails the trajectory.
+    """
+
+    def specs(self) -> list[dict[str, Any]]: ...
+
+    def call(self, name: str, arguments: dict[str, Any]) -> Awaitable[str]: ...
+
+
+@dataclass
+class AgentTask:
+    """What an agent function gets for one episode.
+
+    ``base_url`` ends in ``/v1``: give it to any OpenAI-compatible client as its base URL. The
+    server decides the tokens, so the agent may send whatever messages it likes; only what it
+    sends through ``base_url`` is trained on.
+    """
+
+    base_url: str
+    messages: list[dict[str, Any]]  # the prompt as chat messages (a text prompt is one user message)
+    tools: list[dict[str, Any]] | None  # OpenAI tool specs of the run's tool set, if it has one
+    request: dict[str, Any]  # chat-completion defaults from the recipe: temperature, top_p, max_tokens
+    label: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # the prompt's metadata
+    toolset: ToolSet | None = None  # runs the tools the model calls (agents may bring their own)
+    max_turns: int = 8  # model calls the agent should stop after (``agentic.max_turns``)
+    options: dict[str, Any] = field(default_factory=dict)  # ``agentic.agent_options``
+
+
+@dataclass
+class AgentResult:
+    """What an agent function may report; every field is optional.
+
+    ``reward``, when set, is the trajectory's reward (the ``agent`` reward reads it).
+    ``metadata`` is merged into each sample's metadata. ``failure`` marks the episode failed
+    (no reward, not trained on).
+    """
+
+    reward: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    failure: str | None = None
+
+
+# An agent function runs one episode against the session server (the innermost layer).
+AgentFn = Callable[[AgentTask], "Awaitable[AgentResult | dict[str, Any] | None]"]
+
+
+@dataclass
+class AgenticContext:
+    """The multi-turn and agentic generate functions' settings, resolved by the driver."""
+
+    family: Any  # a miles.families ModelFamily: renders, tokenizes suffixes, parses replies
+    session_mode: str = "linear"  # linear | branching
+    matcher: Any = None  # the resolved replay comparison (None: strict)
+    leaf_selection: str = "drop_retries"  # branching sessions: which leaves become samples
+    toolset: ToolSet | None = None
+    agent: AgentFn | None = None
+    agent_options: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 8
+    max_seq_len: int | None = None  # prompt + response tokens per trajectory; beyond it: truncated
+    server: Any = None  # the running session server (miles.session_server.SessionService), agentic only
 
 
 # A reward scores one finished sample (sync or async); rewards are plain callables.

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from miles.config.schema import MilesConfig
+from miles.driver.agentic import session_server
 from miles.driver.components import Components, build_components
 from miles.driver.generation import RolloutStage, SyncGeneration
 from miles.driver.services import (
@@ -119,6 +120,9 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                 check_engine_versions(loop, engines, state.weight_version)
         if rl:
             ctx = _rollout_context(config, model_path, engines, components, console)
+            ctx.agentic = stack.enter_context(
+                session_server(config, components.agentic, engine_urls, ctx.tokenizer, ctx.sampling)
+            )
             teacher = stack.enter_context(served_teacher(config, ctx.tokenizer, loop, run.sub("teachers")))
             if teacher is not None:
                 ctx.scorers.append(teacher)

@@ -36,6 +36,7 @@ _PROTOCOLS: dict[str, str] = {
     "data_source": "DataSource",
     "engine": "EngineLauncher",
     "eval_backend": "EvalBackend",
+    "toolset": "ToolSet",
 }
 
 

@@ -36,6 +36,8 @@ KIND_GROUPS: dict[str, str] = {
     "engine": "miles.engines",
     "eval_backend": "miles.eval_backends",
     "session_matcher": "miles.session_matchers",
+    "agent": "miles.agents",
+    "toolset": "miles.toolsets",
 }
 GROUP_KINDS: dict[str, str] = {group: kind for kind, group in KIND_GROUPS.items()}
 ALL_GROUPS: tuple[str, ...] = (*KIND_GROUPS.values(), HOOKS_GROUP)

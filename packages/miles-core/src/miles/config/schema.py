@@ -305,6 +305,43 @@ class FullyAsyncSection(Section):
     )
 
 
+class AgenticSection(Section):
+    """Multi-turn and agentic rollouts (``rollout.generate_fn: multi_turn`` or ``agentic``)."""
+
+    family: str = Field(
+        ...,
+        description="model family that renders the chat template and parses replies (`miles check-family`); "
+        "never guessed from the checkpoint; an unregistered name falls back to 'generic' with a warning",
+    )
+    session_mode: Literal["linear", "branching"] = Field(
+        "linear",
+        description="linear: one growing sequence per episode; branching: a tree, one sample per selected leaf",
+    )
+    leaf_selection: Literal["drop_retries", "all"] = Field(
+        "drop_retries", description="branching sessions: which leaves become samples"
+    )
+    matcher: str = Field(
+        "strict", description="replay comparison: strict, json_args, loose, or a matcher name or import path"
+    )
+    matcher_options: dict[str, Any] = Field(default_factory=dict)
+    tools: str | None = Field(
+        None, description="tool set the model may call (calculator, or a name or import path); None: no tools"
+    )
+    tools_options: dict[str, Any] = Field(default_factory=dict)
+    agent: str = Field("tool_agent", description="agent function name or import path (generate_fn agentic)")
+    agent_options: dict[str, Any] = Field(default_factory=dict)
+    max_turns: int = Field(8, ge=1, description="model calls per episode")
+    max_seq_len: int | None = Field(
+        None, ge=2, description="prompt + response tokens per episode; an episode reaching it is truncated"
+    )
+    server_host: str = Field("127.0.0.1", description="session server address (agentic)")
+    server_port: int = Field(0, ge=0, le=65535, description="session server port; 0 picks a free one")
+
+
+# The built-in generate functions that run episodes through sessions (and so need `agentic:`).
+SESSION_GENERATE_FNS = ("multi_turn", "agentic")
+
+
 class EvalSection(Section):
     """Evaluation of the policy every ``every`` steps, on a held-out prompt set."""
 
@@ -375,6 +412,9 @@ class MilesConfig(Section):
     fully_async: FullyAsyncSection = Field(default_factory=FullyAsyncSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
     eval: EvalSection | None = None
+    agentic: AgenticSection | None = Field(
+        None, description="model family, sessions, tools and agent of multi-turn / agentic rollouts"
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MilesConfig:
@@ -409,6 +449,7 @@ class MilesConfig(Section):
                     "rollout.max_rounds refills a synchronous step; under schedule 'fully_async' the worker "
                     "replaces dropped groups continuously, so leave max_rounds unset"
                 )
+        self._check_agentic()
         if self.rollout.n_samples_per_prompt == 1 and "nonzero_std" in self.rollout.filters:
             raise ValueError(
                 "rollout.filters contains 'nonzero_std' but rollout.n_samples_per_prompt is 1: every group "
@@ -435,6 +476,32 @@ class MilesConfig(Section):
                 f"with engine.launcher {self.engine.launcher!r}"
             )
         return self
+
+    def _check_agentic(self) -> None:
+        generate_fn = self.rollout.generate_fn
+        if generate_fn in SESSION_GENERATE_FNS and self.agentic is None:
+            raise ValueError(
+                f"rollout.generate_fn {generate_fn!r} needs an `agentic:` section naming at least the model "
+                "family (agentic.family, e.g. qwen3; docs/model-families.md lists the registered ones)"
+            )
+        if self.agentic is not None and generate_fn == "default":
+            raise ValueError(
+                "an `agentic:` section is set but rollout.generate_fn is 'default' (single turn), which does "
+                "not use it; set rollout.generate_fn to multi_turn or agentic, or remove the section"
+            )
+        if generate_fn in SESSION_GENERATE_FNS and self.schedule == "fully_async":
+            from miles.errors import ConfigError
+            from miles.sessions.safety import check_update_mode
+
+            try:
+                check_update_mode(self.fully_async.update_mode)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        if self.agentic is not None and self.agentic.session_mode == "branching" and generate_fn != "agentic":
+            raise ValueError(
+                "agentic.session_mode 'branching' applies to the session server (generate_fn agentic); "
+                f"{generate_fn!r} drives a linear conversation itself"
+            )
 
     @property
     def run_dir(self) -> str:

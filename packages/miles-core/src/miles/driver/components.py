@@ -11,6 +11,7 @@ from typing import Any
 from miles.config.schema import MilesConfig
 from miles.driver.objective import Objective, resolve_objective
 from miles.interfaces import (
+    AgenticContext,
     Buffer,
     BufferPolicy,
     DataSource,
@@ -33,6 +34,7 @@ class Components:
     buffer: Buffer
     objective: Objective
     drops: Any  # miles.driver.generation.DropLog: what the buffer dropped, by reason
+    agentic: AgenticContext | None = None  # family, tools and agent of multi-turn / agentic rollouts
 
 
 class SharedDataSource:
@@ -79,6 +81,7 @@ def buffer_policy(config: MilesConfig, filters: list[tuple[str, GroupFilter]]) -
 
 
 def build_components(config: MilesConfig, model_path: str, hooks: Any = None) -> Components:
+    from miles.driver.agentic import resolve_agentic
     from miles.driver.generation import DropLog
 
     if hooks is None:
@@ -111,4 +114,5 @@ def build_components(config: MilesConfig, model_path: str, hooks: Any = None) ->
         buffer=make_component("buffer", r.buffer, {"policy": policy}),
         objective=resolve_objective(config, model_path),
         drops=drops,
+        agentic=resolve_agentic(config),
     )

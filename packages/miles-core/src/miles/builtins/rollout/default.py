@@ -48,7 +48,12 @@ class GroupRollout:
 
     async def _run_group(self, ctx: RolloutContext, group: Group) -> None:
         per_sample = not is_group_reward(ctx.reward)
-        await asyncio.gather(*(self._run_one(ctx, s, reward=per_sample) for s in group.samples))
+        results = await asyncio.gather(*(self._run_one(ctx, s, reward=per_sample) for s in group.samples))
+        # A generate function may return several samples for one attempt (a branching session's
+        # leaves); they take that attempt's place in the group, in order.
+        group.samples = [s for produced in results for s in produced]
+        for i, sample in enumerate(group.samples):
+            sample.group_index = i
         if not per_sample:
             await self._group_reward(ctx, [s for s in group.samples if s.status is not Status.ABORTED])
         for sample in group.samples:
@@ -61,10 +66,15 @@ class GroupRollout:
             if ctx.on_sample_done is not None:
                 ctx.on_sample_done(sample)
 
-    async def _run_one(self, ctx: RolloutContext, sample: Sample, *, reward: bool) -> None:
-        await self.generate(ctx, sample)
+    async def _run_one(self, ctx: RolloutContext, slot: Sample, *, reward: bool) -> list[Sample]:
+        produced = await self.generate(ctx, slot)
+        samples = _as_samples(produced, slot)
         if ctx.on_generation_done is not None:
-            ctx.on_generation_done(sample)
+            ctx.on_generation_done(slot)
+        await asyncio.gather(*(self._score_one(ctx, s, reward=reward) for s in samples))
+        return samples
+
+    async def _score_one(self, ctx: RolloutContext, sample: Sample, *, reward: bool) -> None:
         sample.check_aligned()
         if sample.status in (Status.ABORTED, Status.FAILED):
             return
@@ -100,6 +110,21 @@ class GroupRollout:
             return
         for sample, value in zip(samples, values, strict=True):
             sample.reward = value
+
+
+def _as_samples(produced: Sample | list[Sample] | None, slot: Sample) -> list[Sample]:
+    """What a generate function returned, as a non-empty list (None: it filled ``slot`` in place)."""
+    if produced is None:
+        return [slot]
+    if isinstance(produced, Sample):
+        return [produced]
+    samples = list(produced)
+    if not samples or not all(isinstance(s, Sample) for s in samples):
+        raise TypeError(
+            "a generate function must return a Sample or a non-empty list of Samples, "
+            f"got {type(produced).__name__} {produced!r:.80}"
+        )
+    return samples
 
 
 def _fail(samples: list[Sample], key: str, exc: Exception) -> None:

@@ -1,0 +1,85 @@
+"""The built-in agentic generate function: an agent function drives the episode through the
+session server.
+
+For each trajectory it opens a session on the run's session server, calls the agent
+function with the session's base URL (the agent talks OpenAI chat completions to it, with
+any client, as a black box), then closes the session and turns what the server recorded into
+samples: one for a linear session, one per selected leaf for a branching one. The server,
+not the agent, decided every token, so the samples hold exactly what the policy sampled.
+
+An agent that raises fails its trajectory (no reward, the error in the sample's metadata);
+the run goes on. What the agent returns (:class:`~miles.interfaces.AgentResult`, a dict
+with the same keys, or None) is merged into each sample's metadata; its ``reward`` is kept
+as ``metadata["agent_reward"]`` for the ``agent`` reward.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+from miles.builtins.rewards.agent import AGENT_REWARD
+from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
+from miles.errors import ComponentError, ConfigError
+from miles.interfaces import AgentResult, AgentTask, RolloutContext
+from miles.session_server.service import agent_request_defaults
+from miles.types import Sample
+
+log = logging.getLogger("miles.rollout")
+
+
+async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
+    agentic = agentic_context(ctx, "agentic")
+    if agentic.server is None or agentic.agent is None:
+        raise ConfigError("rollout.generate_fn 'agentic' needs the session server and agentic.agent")
+    service = agentic.server
+    session_id, base_url = service.open()
+    task = AgentTask(
+        base_url=base_url,
+        messages=prompt_messages(sample.prompt),
+        tools=agentic.toolset.specs() if agentic.toolset is not None else None,
+        request=agent_request_defaults(ctx.sampling),
+        label=sample.prompt.label,
+        metadata=dict(sample.prompt.metadata),
+        toolset=agentic.toolset,
+        max_turns=agentic.max_turns,
+        options=dict(agentic.agent_options),
+    )
+    failure = None
+    result = AgentResult()
+    try:
+        result = as_agent_result(await agentic.agent(task))
+        failure = result.failure
+    except Exception as exc:
+        failure = f"the agent raised {type(exc).__name__}: {exc}"
+        log.warning("agent failed on prompt %d:\n%s", sample.prompt.index, traceback.format_exc())
+    finally:
+        closed = service.close(session_id)
+    metadata = dict(result.metadata)
+    if result.reward is not None:
+        metadata[AGENT_REWARD] = float(result.reward)
+    return episode_samples(
+        closed.session,
+        sample,
+        selection=agentic.leaf_selection,
+        truncated=closed.exhausted,
+        failure=failure,
+        metadata=metadata,
+    )
+
+
+def as_agent_result(value: Any) -> AgentResult:
+    """An agent's return value as an ``AgentResult`` (it may return one, a dict of its fields, or None)."""
+    if value is None:
+        return AgentResult()
+    if isinstance(value, AgentResult):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"reward", "metadata", "failure"})
+        if unknown:
+            raise ComponentError(
+                f"an agent returned unknown keys {unknown}; allowed: reward, metadata, failure"
+            )
+        return AgentResult(**value)
+    raise ComponentError(f"an agent must return an AgentResult, a dict or None, not {type(value).__name__}")

@@ -1,0 +1,58 @@
+"""What the multi-turn and agentic generate functions share: the prompt as messages, the
+episode's settings, and turning a recorded session into the trajectory's samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.errors import ConfigError
+from miles.interfaces import AgenticContext, RolloutContext
+from miles.sessions import Session, session_samples
+from miles.types import Prompt, Sample, Status
+
+
+def agentic_context(ctx: RolloutContext, generate_fn: str) -> AgenticContext:
+    """The run's agentic settings; a clear error when the recipe has no ``agentic:`` section."""
+    if ctx.agentic is None:
+        raise ConfigError(
+            f"rollout.generate_fn {generate_fn!r} needs an `agentic:` section in the recipe "
+            "(at least agentic.family, the model family that renders and parses the chat)"
+        )
+    return ctx.agentic
+
+
+def prompt_messages(prompt: Prompt) -> list[dict[str, Any]]:
+    """The prompt as chat messages: a text prompt is one user message."""
+    if isinstance(prompt.prompt, str):
+        return [{"role": "user", "content": prompt.prompt}]
+    return [dict(m) for m in prompt.prompt]
+
+
+def episode_samples(
+    session: Session,
+    slot: Sample,
+    *,
+    selection: str = "drop_retries",
+    truncated: bool = False,
+    failure: str | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> list[Sample]:
+    """The samples a finished episode yields (one for a linear session, one per selected leaf).
+
+    ``slot`` is the sample the rollout made for this attempt: an episode that recorded no turn
+    comes back as that slot, failed, with the reason in its metadata. ``truncated``: the
+    episode ran out of its token or turn budget, so it did not end by itself.
+    """
+    samples = session_samples(
+        session, slot.prompt, group_index=slot.group_index, selection=selection, failure=failure
+    )
+    extra = dict(metadata or {})
+    if not samples:
+        slot.status = Status.FAILED
+        slot.metadata.update(extra, failure=failure or "the episode recorded no turn")
+        return [slot]
+    for sample in samples:
+        sample.metadata.update(extra)
+        if truncated and sample.status is Status.COMPLETED:
+            sample.status = Status.TRUNCATED
+    return samples

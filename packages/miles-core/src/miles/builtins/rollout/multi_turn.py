@@ -1,0 +1,57 @@
+"""The built-in multi-turn tool-calling generate function (no agent, no HTTP).
+
+Miles itself plays the agent: it sends the prompt, runs every tool call of the reply with
+the run's tool set, appends the tool results and asks again, until the model answers
+without a tool call, ``agentic.max_turns`` turns have run, or the episode's tokens reach
+``agentic.max_seq_len``. Each turn goes through the session server's turn logic
+(:func:`miles.session_server.turns.complete_turn`) on an in-process linear session, so the
+trajectory is assembled exactly as for an agent talking to the server over HTTP: one
+sequence, loss mask 1 on sampled tokens only, log-probs and versions per token.
+
+All turns of an episode go to one engine, the one that holds its prefix.
+"""
+
+from __future__ import annotations
+
+from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
+from miles.builtins.tools import run_tool_calls
+from miles.interfaces import RolloutContext
+from miles.session_server.turns import ContextExhausted, complete_turn
+from miles.sessions import LinearSession, strict
+from miles.types import Sample
+
+
+async def multi_turn_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
+    agentic = agentic_context(ctx, "multi_turn")
+    engine = ctx.engine_for(sample.prompt.index * ctx.n_samples_per_prompt + sample.group_index)
+    session = LinearSession(matcher=agentic.matcher or strict)
+    messages = prompt_messages(sample.prompt)
+    tools = agentic.toolset.specs() if agentic.toolset is not None else None
+    ended_by = "max_turns"
+    for _ in range(agentic.max_turns):
+        try:
+            result = await complete_turn(
+                session,
+                messages,
+                tools,
+                family=agentic.family,
+                tokenizer=ctx.tokenizer,
+                generate=engine.generate,
+                sampling=ctx.sampling,
+                max_seq_len=agentic.max_seq_len,
+            )
+        except ContextExhausted:
+            ended_by = "max_seq_len"
+            break
+        messages.append(result.reply.to_message())
+        if result.finish_reason != "tool_calls" or agentic.toolset is None:
+            ended_by = result.finish_reason
+            break
+        messages += await run_tool_calls(agentic.toolset, result.reply.tool_calls)
+    tool_calls = sum(len(c.assistant.tool_calls) for c in session.checkpoints())
+    return episode_samples(
+        session,
+        sample,
+        truncated=ended_by in ("max_turns", "max_seq_len"),
+        metadata={"ended_by": ended_by, "tool_calls": tool_calls},
+    )

@@ -1,0 +1,70 @@
+"""The agentic side of a run: the family, tools and agent resolved from ``agentic:`` (before any
+engine starts, so a bad name fails early), and the session server started for the run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+from miles.config.schema import MilesConfig
+from miles.interfaces import AgenticContext
+from miles.plugins import load_component, make_component
+from miles.types import SamplingParams
+
+
+def resolve_agentic(config: MilesConfig) -> AgenticContext | None:
+    """The recipe's agentic settings with every named component loaded; None without ``agentic:``."""
+    a = config.agentic
+    if a is None:
+        return None
+    from miles.families import get_family
+    from miles.sessions import resolve_matcher
+
+    return AgenticContext(
+        family=get_family(a.family),
+        session_mode=a.session_mode,
+        matcher=resolve_matcher(a.matcher, a.matcher_options),
+        leaf_selection=a.leaf_selection,
+        toolset=make_component("toolset", a.tools, a.tools_options) if a.tools else None,
+        agent=load_component("agent", a.agent) if uses_server(config) else None,
+        agent_options=dict(a.agent_options),
+        max_turns=a.max_turns,
+        max_seq_len=a.max_seq_len,
+    )
+
+
+def uses_server(config: MilesConfig) -> bool:
+    """The session server runs for every agentic recipe except the built-in multi-turn loop, which
+    plays the agent itself in process (a custom generate function may use the server)."""
+    return config.agentic is not None and config.rollout.generate_fn != "multi_turn"
+
+
+@contextlib.contextmanager
+def session_server(
+    config: MilesConfig,
+    agentic: AgenticContext | None,
+    engine_urls: list[str],
+    tokenizer: object,
+    sampling: SamplingParams,
+) -> Iterator[AgenticContext | None]:
+    """``agentic`` with the run's session server attached, for the duration of the block."""
+    if agentic is None or not uses_server(config):
+        yield agentic
+        return
+    from miles.engines.client import SGLangClient
+    from miles.session_server.app import ServerState
+    from miles.session_server.service import session_service
+    from miles.sessions import SessionStore
+
+    a = config.agentic
+    state = ServerState(
+        store=SessionStore(mode=agentic.session_mode, matcher=agentic.matcher),
+        family=agentic.family,
+        tokenizer=tokenizer,
+        engines=[SGLangClient(url) for url in engine_urls],  # opened on the server's own event loop
+        sampling=sampling,
+        max_seq_len=agentic.max_seq_len,
+    )
+    with session_service(state, host=a.server_host, port=a.server_port) as service:
+        yield dataclasses.replace(agentic, server=service)

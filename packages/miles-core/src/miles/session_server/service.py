@@ -1,0 +1,66 @@
+"""The session server as a run uses it: started once, sessions opened and closed per episode.
+
+The driver starts the server (``session_service``) when ``rollout.generate_fn`` is
+``agentic``; the agentic generate function opens a session for each episode, hands its
+base URL to the agent function, then closes it and reads its trajectory. Opening and closing
+are direct calls on the in-process store (they need no HTTP); the agent's turns go over HTTP
+like any external agent's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from miles.session_server.app import ServerState
+from miles.sessions import Session
+
+
+@dataclass
+class ClosedSession:
+    """A finished episode's session, and whether it ran out of tokens (``max_seq_len``)."""
+
+    session: Session
+    exhausted: bool
+
+
+@dataclass
+class SessionService:
+    """A running session server: its URL and its state (store, family, engines)."""
+
+    url: str
+    state: ServerState
+
+    def open(self) -> tuple[str, str]:
+        """Create a session pinned to an engine; returns its id and the agent's base URL (``.../v1``)."""
+        session = self.state.store.create()
+        self.state.pin_engine(session.id)
+        return session.id, f"{self.url}/sessions/{session.id}/v1"
+
+    def close(self, session_id: str) -> ClosedSession:
+        """Delete the session (later requests to it fail) and return it, to read its trajectory."""
+        try:
+            session = self.state.store.delete(session_id)
+        finally:
+            exhausted = self.state.release(session_id)
+        return ClosedSession(session=session, exhausted=exhausted)
+
+
+@contextlib.contextmanager
+def session_service(state: ServerState, host: str = "127.0.0.1", port: int = 0) -> Iterator[SessionService]:
+    """Serve ``state`` in a background thread for the duration of the block."""
+    from miles.session_server.serve import serve
+
+    with serve(state, host=host, port=port) as url:
+        yield SessionService(url=url, state=state)
+
+
+def agent_request_defaults(sampling: Any) -> dict[str, Any]:
+    """The recipe's sampling as chat-completion arguments an agent passes on (OpenAI names)."""
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_new_tokens,
+    }
