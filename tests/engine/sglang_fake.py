@@ -91,6 +91,7 @@ class GenerateReqInput(_Strict):
     lora_path: str | None = None
     routing_key: str | None = None
     priority: int | None = None
+    data_parallel_rank: int | None = None
 
 
 class UpdateWeightFromDiskReqInput(_Strict):

@@ -62,6 +62,7 @@ class EngineClient(Protocol):
         *,
         rid: str | None = None,
         return_routed_experts: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> GenerateOutput: ...
 
     async def health(self) -> bool: ...
@@ -115,6 +116,16 @@ class RolloutContext:
     # What the multi-turn and agentic generate functions use: the model family, the session rules,
     # the tools, the agent and, for agentic runs, the session server. None unless ``agentic:`` is set.
     agentic: AgenticContext | None = None
+
+    # Routes requests over ``engines`` (miles.engines.router.Router): by session key for multi-turn
+    # work, by load otherwise. Built from ``engines`` when not given.
+    router: Any = None
+
+    def __post_init__(self) -> None:
+        if self.router is None and self.engines:
+            from miles.engines.router import Router
+
+            self.router = Router(self.engines)
 
     def engine_for(self, key: int) -> EngineClient:
         return self.engines[key % len(self.engines)]

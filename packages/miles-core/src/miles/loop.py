@@ -245,7 +245,7 @@ def _generation(
 
     def worker_context() -> RolloutContext:  # built on the worker's loop: its clients belong to it
         # The console's per-rollout progress bar has no meaning when rollouts never end.
-        return dataclasses.replace(ctx, engines=_engine_clients(urls), on_sample_done=None)
+        return dataclasses.replace(ctx, engines=_engine_clients(urls), router=None, on_sample_done=None)
 
     worker = AsyncRolloutWorker(
         components.rollout_fn,

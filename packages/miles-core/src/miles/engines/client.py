@@ -6,8 +6,10 @@ servers on a GPU cluster. Only the request bodies and response fields below are
 relied on; they follow SGLang's ``http_server.py`` / ``io_struct.py``:
 
 - ``POST /generate`` with ``input_ids``, ``sampling_params``, ``return_logprob``,
-  ``rid``, ``return_routed_experts``. The answer carries ``output_ids``, ``text``
-  and ``meta_info`` with ``finish_reason.type`` (stop / length / abort),
+  ``rid``, ``return_routed_experts`` and, for an engine with several data-parallel
+  ranks, ``data_parallel_rank`` (sent only when the caller picks one). The answer
+  carries ``output_ids``, ``text`` and ``meta_info`` with ``finish_reason.type``
+  (stop / length / abort),
   ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples,
   ``weight_version`` (a string; Miles writes integers) and, for MoE models,
   ``routed_experts``: base64 of little-endian int32 with logical shape
@@ -96,7 +98,14 @@ def generate_call(
     *,
     rid: str | None = None,
     return_routed_experts: bool = False,
+    data_parallel_rank: int | None = None,
 ) -> EngineCall:
+    """The ``/generate`` body for one prompt of token ids.
+
+    ``data_parallel_rank`` pins the request to one data-parallel rank of an engine that has
+    several (SGLang's ``GenerateReqInput.data_parallel_rank``; a router picks it so that a
+    session's turns reach the rank holding its prefix). It is sent only when given.
+    """
     body: dict[str, Any] = {
         "input_ids": [int(t) for t in input_ids],
         "sampling_params": params.to_sglang(),
@@ -106,6 +115,16 @@ def generate_call(
         body["rid"] = rid
     if return_routed_experts:
         body["return_routed_experts"] = True
+    if data_parallel_rank is not None:
+        if (
+            isinstance(data_parallel_rank, bool)
+            or not isinstance(data_parallel_rank, int)
+            or data_parallel_rank < 0
+        ):
+            raise EngineError(
+                f"generate: data_parallel_rank must be an integer >= 0, got {data_parallel_rank!r}"
+            )
+        body["data_parallel_rank"] = data_parallel_rank
     return EngineCall("POST", "/generate", body)
 
 
@@ -648,8 +667,16 @@ class SGLangClient:
         *,
         rid: str | None = None,
         return_routed_experts: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> GenerateOutput:
-        call = generate_call(input_ids, params, rid=rid, return_routed_experts=return_routed_experts)
+        """Generate from ``input_ids``; ``data_parallel_rank`` pins the request to one DP rank."""
+        call = generate_call(
+            input_ids,
+            params,
+            rid=rid,
+            return_routed_experts=return_routed_experts,
+            data_parallel_rank=data_parallel_rank,
+        )
         data = await self.call(call)
         return parse_generate_response(
             data,
@@ -850,9 +877,17 @@ class SyncEngineClient:
         *,
         rid: str | None = None,
         return_routed_experts: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> GenerateOutput:
+        """Blocking :meth:`SGLangClient.generate`."""
         data = self.call(
-            generate_call(input_ids, params, rid=rid, return_routed_experts=return_routed_experts)
+            generate_call(
+                input_ids,
+                params,
+                rid=rid,
+                return_routed_experts=return_routed_experts,
+                data_parallel_rank=data_parallel_rank,
+            )
         )
         return parse_generate_response(
             data,

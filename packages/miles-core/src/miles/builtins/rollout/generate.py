@@ -10,9 +10,9 @@ _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort":
 
 async def single_turn_generate(ctx: RolloutContext, sample: Sample) -> Sample:
     """Sample a response to ``sample.prompt_ids`` and record exactly what the engine returned."""
-    engine = ctx.engine_for(sample.prompt.index * ctx.n_samples_per_prompt + sample.group_index)
     served_at_start = ctx.served_version
-    out = await engine.generate(sample.prompt_ids, ctx.sampling)
+    async with ctx.router.request(None, sticky=False) as route:  # single turn: the least busy engine
+        out = await route.generate(sample.prompt_ids, ctx.sampling)
     sample.response_ids = list(out.output_ids)
     sample.rollout_logprobs = list(out.output_logprobs)
     sample.loss_mask = [1] * len(out.output_ids)

@@ -15,16 +15,29 @@ from __future__ import annotations
 
 from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
 from miles.builtins.tools import run_tool_calls
-from miles.interfaces import RolloutContext
+from miles.interfaces import AgenticContext, RolloutContext
 from miles.session_server.turns import ContextExhausted, complete_turn
 from miles.sessions import LinearSession, strict
-from miles.types import Sample
+from miles.types import GenerateOutput, Sample, SamplingParams
 
 
 async def multi_turn_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     agentic = agentic_context(ctx, "multi_turn")
-    engine = ctx.engine_for(sample.prompt.index * ctx.n_samples_per_prompt + sample.group_index)
     session = LinearSession(matcher=agentic.matcher or strict)
+    try:
+        return await _episode(ctx, agentic, session, sample)
+    finally:
+        ctx.router.forget(session.id)
+
+
+async def _episode(
+    ctx: RolloutContext, agentic: AgenticContext, session: LinearSession, sample: Sample
+) -> list[Sample]:
+    async def generate(input_ids: list[int], params: SamplingParams) -> GenerateOutput:
+        # Every turn goes where the episode's first turn went: that engine holds its prefix.
+        async with ctx.router.request(session.id, sticky=True) as route:
+            return await route.generate(input_ids, params)
+
     messages = prompt_messages(sample.prompt)
     tools = agentic.toolset.specs() if agentic.toolset is not None else None
     ended_by = "max_turns"
@@ -36,7 +49,7 @@ async def multi_turn_generate(ctx: RolloutContext, sample: Sample) -> list[Sampl
                 tools,
                 family=agentic.family,
                 tokenizer=ctx.tokenizer,
-                generate=engine.generate,
+                generate=generate,
                 sampling=ctx.sampling,
                 max_seq_len=agentic.max_seq_len,
             )
