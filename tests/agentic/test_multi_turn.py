@@ -46,14 +46,18 @@ def _prompt(index: int, a: int, b: int) -> Prompt:
 def test_a_tool_calling_episode_becomes_one_token_exact_sample(tool_model, tool_engine_url) -> None:
     family, tokenizer, _ = tool_model
     pairs = PAIRS[:3]
-    groups = _rollout(tool_engine_url, family, tokenizer, [_prompt(i, a, b) for i, (a, b) in enumerate(pairs)])
+    groups = _rollout(
+        tool_engine_url, family, tokenizer, [_prompt(i, a, b) for i, (a, b) in enumerate(pairs)]
+    )
     for group, (a, b) in zip(groups, pairs, strict=True):
         (sample,) = group.samples
         script = script_episode(family, tokenizer, a, b)
         assert sample.prompt_ids == list(script.prompt1)
         assert sample.response_ids == [*script.reply1, *script.suffix, *script.reply2]
         # Only the model's own tokens are trained on; the tool result and the template glue are not.
-        assert sample.loss_mask == [1] * len(script.reply1) + [0] * len(script.suffix) + [1] * len(script.reply2)
+        assert sample.loss_mask == [1] * len(script.reply1) + [0] * len(script.suffix) + [1] * len(
+            script.reply2
+        )
         generated = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=True) if m]
         assert all(-0.01 < lp <= 0.0 for lp in generated)  # the engine's log-probs of a sharp model
         assert [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask, strict=True) if not m] == [

@@ -17,7 +17,7 @@ def api_schema(qwen3, engine_url):
     """The schema of a live server (over HTTP: its engine client lives on the server's own loop)."""
     with session_server(qwen3, engine_url, mode="branching", max_new_tokens=4) as (url, state):
         # A session that exists, so the fuzzer also reaches the chat endpoint behind a valid id.
-        state.pin_engine(state.store.create(session_id="fuzz").id)
+        state.place(state.store.create(session_id="fuzz").id)
         yield schemathesis.openapi.from_url(f"{url}/openapi.json")
 
 

@@ -12,16 +12,19 @@ log-probs, weight versions and routed experts; a later turn extends the deepest
 recorded checkpoint its messages replay and tokenizes only the new messages. Whatever
 token-level fields the agent sends are ignored. Engines are reached through the
 foundation's engine client (``/generate`` with ``input_ids``), so this works the same on
-the embedded engine and on SGLang.
+the embedded engine and on SGLang. The turn itself is :func:`miles.session_server.turns.complete_turn`,
+shared with the in-process multi-turn rollout.
 
-Every session sticks to one engine, chosen when it is created (the one with the fewest
-live sessions), so each turn lands where its prefix already is.
+Every session sticks to one engine (and data-parallel rank), chosen by the router when it is
+created (the one with the fewest active requests), so each turn lands where its prefix
+already is and the engine's prefix cache serves it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +32,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 
+from miles.engines.router import Router
 from miles.errors import EngineError
 from miles.families import FamilyError
 from miles.session_server.openai_types import (
@@ -36,12 +40,15 @@ from miles.session_server.openai_types import (
     ChatCompletionRequest,
     Choice,
     PromptTokensDetails,
+    RequestMessages,
     ResponseMessage,
     ToolCall,
     Usage,
 )
+from miles.session_server.turns import ContextExhausted, complete_turn
 from miles.sessions import (
     MessageError,
+    Session,
     SessionBusy,
     SessionClosed,
     SessionConflict,
@@ -50,7 +57,7 @@ from miles.sessions import (
     SessionNotFound,
     SessionStore,
 )
-from miles.types import SamplingParams
+from miles.types import GenerateOutput, SamplingParams
 
 _STATUS = {
     MessageError: 422,
@@ -65,7 +72,14 @@ SESSION_ID = Path(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
 
 @dataclass
 class ServerState:
-    """What the server needs: the store, the family that owns tokens, the engines, default sampling."""
+    """What the server needs: the store, the family that owns tokens, the engines, default sampling.
+
+    ``router`` keeps each session on the engine (and data-parallel rank) that holds its prefix:
+    the session id is the routing key, bound when the session is created (the engine with the
+    fewest active requests) and forgotten when it is deleted. ``max_seq_len`` caps a
+    session's prompt plus replies; a session that reached it is remembered as exhausted, so
+    its trajectory is reported truncated.
+    """
 
     store: SessionStore
     family: Any  # miles.families ModelFamily: render_ids, suffix_ids, parse_reply, stop_token_ids
@@ -73,29 +87,30 @@ class ServerState:
     engines: list[Any]  # EngineClient (async)
     sampling: SamplingParams
     model_name: str = "policy"
-    _engine_of: dict[str, int] = field(default_factory=dict)
+    max_seq_len: int | None = None
+    router: Router | None = None  # default: affinity routing over ``engines``
+    _exhausted: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def pin_engine(self, session_id: str) -> int:
-        """A new session goes to the engine with the fewest live sessions and stays there."""
-        with self._lock:
-            load = [0] * len(self.engines)
-            for index in self._engine_of.values():
-                load[index] += 1
-            chosen = min(range(len(self.engines)), key=lambda i: (load[i], i))
-            self._engine_of[session_id] = chosen
-            return chosen
+    def __post_init__(self) -> None:
+        if self.router is None:
+            self.router = Router(self.engines)
 
-    def engine_for(self, session_id: str) -> Any:
-        with self._lock:
-            if session_id not in self._engine_of:
-                # A routed request must carry its key; a silent load-based fallback would break affinity.
-                raise SessionNotFound(f"session {session_id!r} has no engine (it was never created here)")
-            return self.engines[self._engine_of[session_id]]
+    def place(self, session_id: str) -> int:
+        """Bind a new session to an engine (the least active); returns the engine's index."""
+        return self.router.route(session_id, sticky=True).engine_index
 
-    def release(self, session_id: str) -> None:
+    def mark_exhausted(self, session_id: str) -> None:
         with self._lock:
-            self._engine_of.pop(session_id, None)
+            self._exhausted.add(session_id)
+
+    def release(self, session_id: str) -> bool:
+        """Forget a deleted session's routing; returns whether it had run out of tokens."""
+        self.router.forget(session_id)
+        with self._lock:
+            exhausted = session_id in self._exhausted
+            self._exhausted.discard(session_id)
+        return exhausted
 
 
 def _error(exc: Exception) -> JSONResponse:
@@ -117,6 +132,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="Miles session server", version="1", lifespan=lifespan)
     app.state.miles = state
+    # Per session, its requests' validated messages (so a resent history is not validated again);
+    # dropped with the session.
+    request_messages: weakref.WeakKeyDictionary[Session, RequestMessages] = weakref.WeakKeyDictionary()
 
     @app.exception_handler(SessionError)
     async def session_error(_: Request, exc: SessionError) -> JSONResponse:
@@ -134,7 +152,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/sessions", status_code=201)
     async def create_session(request: Request) -> dict[str, Any]:
         session = state.store.create()
-        engine = state.pin_engine(session.id)
+        engine = state.place(session.id)
         base = str(request.base_url).rstrip("/")
         return {"id": session.id, "base_url": f"{base}/sessions/{session.id}/v1", "engine": engine}
 
@@ -152,42 +170,33 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/sessions/{session_id}/v1/chat/completions", response_model=ChatCompletion)
     async def chat_completions(body: ChatCompletionRequest, session_id: str = SESSION_ID) -> ChatCompletion:
         session = state.store.get(session_id)
-        engine = state.engine_for(session_id)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        if session not in request_messages:
+            request_messages[session] = RequestMessages()
+        messages = request_messages[session].validate(body.messages)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        with session.turn(messages) as plan:
-            if plan.parent is None:
-                suffix = state.family.render_ids(state.tokenizer, messages, tools, add_generation_prompt=True)
-                prefix: list[int] = []
-            else:
-                prefix = list(plan.prefix_ids)
-                suffix = state.family.suffix_ids(
-                    state.tokenizer,
-                    [m.to_openai() for m in plan.new_messages],
-                    tools,
-                    add_generation_prompt=True,
-                    previous=plan.parent.assistant.to_openai(),  # its tool calls shape the boundary
-                    stop_id=prefix[-1] if prefix else None,
-                )
-            sampling = _sampling(state, body)
-            try:
-                out = await engine.generate(prefix + list(suffix), sampling)
+
+        async def generate(input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
+            try:  # the session id is the routing key: every turn goes where its prefix is
+                async with state.router.request(session_id, sticky=True) as route:
+                    return await route.generate(input_ids, sampling)
             except EngineError as exc:
                 raise HTTPException(status_code=502, detail=f"engine: {exc}") from exc
-            reply = state.family.parse_reply(state.tokenizer, out.output_ids, tools=tools)
-            finish = _finish_reason(out.finish_reason, reply)
-            session.commit(
-                plan,
-                prompt_suffix_ids=suffix,
-                output_ids=out.output_ids,
-                output_logprobs=out.output_logprobs,
-                weight_versions=out.token_versions(),
-                finish_reason=finish,
-                assistant_message=reply.to_message(),
-                weight_version=out.weight_version,
-                routed_experts=out.routed_experts,
+
+        try:
+            turn = await complete_turn(
+                session,
+                messages,
+                tools,
+                family=state.family,
+                tokenizer=state.tokenizer,
+                generate=generate,
+                sampling=_sampling(state, body),
+                max_seq_len=state.max_seq_len,
             )
-        prompt_tokens = len(prefix) + len(suffix)
+        except ContextExhausted:
+            state.mark_exhausted(session_id)
+            raise
+        reply = turn.reply
         return ChatCompletion(
             model=body.model,
             choices=[
@@ -197,14 +206,14 @@ def create_app(state: ServerState) -> FastAPI:
                         reasoning_content=reply.reasoning_content,
                         tool_calls=[ToolCall.model_validate(c) for c in reply.tool_calls] or None,
                     ),
-                    finish_reason=finish,
+                    finish_reason=turn.finish_reason,
                 )
             ],
             usage=Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=len(out.output_ids),
-                total_tokens=prompt_tokens + len(out.output_ids),
-                prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens),
+                prompt_tokens=turn.prompt_tokens,
+                completion_tokens=turn.completion_tokens,
+                total_tokens=turn.prompt_tokens + turn.completion_tokens,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=turn.cached_tokens),
             ),
         )
 
@@ -212,7 +221,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _sampling(state: ServerState, body: ChatCompletionRequest) -> SamplingParams:
-    sampling = replace(state.sampling, stop_token_ids=list(state.family.stop_token_ids(state.tokenizer)))
+    sampling = replace(state.sampling)  # the turn adds the family's stop tokens
     if body.temperature is not None:
         sampling.temperature = body.temperature
     if body.top_p is not None:
@@ -223,11 +232,3 @@ def _sampling(state: ServerState, body: ChatCompletionRequest) -> SamplingParams
     if body.seed is not None:
         sampling.seed = body.seed
     return sampling
-
-
-def _finish_reason(engine_reason: str, reply: Any) -> str:
-    if engine_reason == "length":
-        return "length"
-    if engine_reason == "abort":
-        return "abort"
-    return "tool_calls" if reply.tool_calls else "stop"

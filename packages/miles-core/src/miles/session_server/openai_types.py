@@ -5,6 +5,10 @@ fault, never a 500; fields an OpenAI client may send but the server does not act
 (``user``, ``metadata``, ``store``, ...) are accepted and ignored. Token-level fields an
 agent might send (``prompt_token_ids``, ``logprobs`` of its own) are never trusted: the
 server decides the tokens.
+
+The messages are validated one by one (``RequestMessages``), not with the body: an agent
+resends its whole history every turn, and validating it again would make a turn cost grow
+with the conversation. A message resent exactly as before keeps its validated form.
 """
 
 from __future__ import annotations
@@ -12,9 +16,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator
+
+from miles.sessions import MessageError
+from miles.sessions.messages import equal_prefix, frozen_json_object
 
 
 class FunctionCall(BaseModel):
@@ -81,11 +88,16 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+# A request message as the client sent it (a JSON value, not validated with the body). The
+# OpenAPI schema documents it as a ChatMessage; ``RequestMessages.validate`` enforces that.
+RequestMessage = SkipValidation[ChatMessage]
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = "policy"
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[RequestMessage], Field(min_length=1)]
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     temperature: float | None = Field(None, gt=0.0, le=10.0)
@@ -98,6 +110,69 @@ class ChatCompletionRequest(BaseModel):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def validate_message(raw: Any, index: int) -> dict[str, Any]:
+    """One request message checked against ``ChatMessage``, as the dict the server works with.
+
+    The dict holds the fields a chat template reads, with None values left out (defaults filled
+    in: a tool call's ``type``, absent ``arguments`` as ``"{}"``). A bad message is a
+    ``MessageError`` naming its index and every field at fault.
+    """
+    try:
+        return ChatMessage.model_validate(raw).model_dump(exclude_none=True)
+    except ValidationError as err:
+        problems = "; ".join(f"{_field(e['loc'])}: {e['msg']}" for e in err.errors())
+        raise MessageError(problems, index=index) from None
+
+
+class RequestMessages:
+    """Validates the messages of one session's requests, turn after turn (``validate_message``).
+
+    A message sent exactly as at the same place in the previous request (the same JSON value)
+    keeps its validated dict: the usual case, a history resent unchanged, costs one list
+    comparison at C speed, and only the other messages are validated. Exact, because two equal
+    plain JSON values differ at most in the type of a number (``1 == 1.0 == True``) and the
+    validated dict holds no number: ``ChatMessage`` reads none, and the one part it keeps as sent,
+    a list ``content``, is only reused when its parts hold nothing but strings.
+    The dicts returned are shared between turns: read them, never edit them.
+    """
+
+    def __init__(self) -> None:
+        # The previous request's messages, frozen (None: validate it again), and their dicts.
+        self._keys: list[dict[str, Any] | None] = []
+        self._validated: list[dict[str, Any]] = []
+
+    def validate(self, raw: list[Any]) -> list[dict[str, Any]]:
+        """The validated dicts of ``raw`` (the request's messages); ``MessageError`` if one is bad."""
+        same = equal_prefix(raw, self._keys)
+        keys, validated = self._keys[:same], self._validated[:same]
+        for i in range(same, len(raw)):
+            if i < len(self._keys) and raw[i] == self._keys[i]:
+                keys.append(self._keys[i])
+                validated.append(self._validated[i])
+            else:
+                validated.append(validate_message(raw[i], i))
+                keys.append(_key(raw[i]))
+        self._keys, self._validated = keys, validated
+        return validated
+
+
+def _key(raw: Any) -> dict[str, Any] | None:
+    """What a later message must equal to reuse the validated form of ``raw`` (a valid message)."""
+    key = frozen_json_object(raw)
+    content = key.get("content") if key is not None else None
+    if type(content) is list and not all(type(v) is str for part in content for v in part.values()):
+        return None  # the parts are kept as sent: a number in them would make equality inexact
+    return key
+
+
+def _field(loc: tuple[int | str, ...]) -> str:
+    """``("tool_calls", 0, "function")`` -> ``tool_calls[0].function``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or "message"
 
 
 class ResponseMessage(BaseModel):

@@ -36,7 +36,7 @@ class SessionService:
     def open(self) -> tuple[str, str]:
         """Create a session pinned to an engine; returns its id and the agent's base URL (``.../v1``)."""
         session = self.state.store.create()
-        self.state.pin_engine(session.id)
+        self.state.place(session.id)
         return session.id, f"{self.url}/sessions/{session.id}/v1"
 
     def close(self, session_id: str) -> ClosedSession:

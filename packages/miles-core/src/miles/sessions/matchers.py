@@ -24,6 +24,11 @@ A user matcher is any callable with the same signature, named by an entry point 
 ``miles.session_matchers`` group or by an import path ``package.module:attr`` (a class is
 instantiated with the given options). ``resolve_matcher`` wraps every matcher so that an
 exception or a non-bool answer becomes one clear ``MatcherError``.
+
+Every matcher must be a function of its two messages: the same pair, the same answer. A
+session asks once per resent form: a message the agent resends as the very JSON value the
+matcher already accepted at that place is not put to it again (see ``miles.sessions.store``).
+Accepting a message as equal to itself is not required.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ list is an empty tuple), because harnesses disagree on which of them to send.
 
 Parsing is the one place where a malformed message is refused (``MessageError``), so the
 matchers and the store work on well-formed values only.
+
+Agents resend their whole history every turn. ``replay_key`` makes a frozen copy of a message
+as sent, which a later request's message can be compared with (``==``, at C speed) to recognise
+the very same JSON value without parsing it again; the session store uses it to keep the cost
+of a turn flat in the length of the conversation (see ``miles.sessions.store``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from typing import Any
 from miles.sessions.errors import MessageError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+# How deeply a message may nest to get a replay key. Real messages nest about 4 levels; the bound
+# keeps both the copy and the later ``==`` (recursive in C) far from the interpreter's stack limit.
+MAX_KEY_DEPTH = 16
 
 # Tool-call arguments as the client sent them: normally a JSON string; some harnesses send
 # the decoded object. Absent arguments are the empty string.
@@ -147,11 +156,16 @@ class Message:
         return out
 
 
-def parse_messages(raw: Any) -> tuple[Message, ...]:
-    """Parse a request's message list; the error names the index of the bad message."""
+def message_list(raw: Any) -> list[Any]:
+    """A request's messages as a list, not parsed yet; anything but a sequence of them is refused."""
     if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
         raise MessageError(f"messages must be a list of message objects, got {type(raw).__name__}")
-    return tuple(Message.from_openai(m, index=i) for i, m in enumerate(raw))
+    return list(raw)
+
+
+def parse_messages(raw: Any) -> tuple[Message, ...]:
+    """Parse a request's message list; the error names the index of the bad message."""
+    return tuple(Message.from_openai(m, index=i) for i, m in enumerate(message_list(raw)))
 
 
 def _parse_content(value: Any) -> str | tuple[str, ...]:
@@ -185,3 +199,68 @@ def _optional_str(value: Any, what: str) -> str | None:
     if not isinstance(value, str):
         raise MessageError(f"{what} must be a string, got {type(value).__name__}")
     return value
+
+
+def replay_key(raw: Any, message: Message) -> dict[str, Any] | None:
+    """A frozen copy of ``raw``, the form a request sent ``message`` in, to recognise that form when
+    it is sent again; None when equality with it would not be exact.
+
+    Invariant: anything equal (``==``) to the key parses to a message equal to ``message``, so a
+    cache may reuse ``message`` (and verdicts about it) without parsing again. Equality is exact
+    for plain JSON (see ``frozen_json_object``) but for numbers, since Python has
+    ``1 == 1.0 == True``; a message reads numbers only in tool-call arguments sent as an object,
+    so such a message gets no key (numbers in keys the parser ignores are harmless). The copy
+    protects the key from a caller that edits its message dicts in place after sending them.
+    """
+    if not all(isinstance(call.arguments, str) for call in message.tool_calls):
+        return None
+    return frozen_json_object(raw)
+
+
+def frozen_json_object(raw: Any) -> dict[str, Any] | None:
+    """A deep copy of ``raw`` if it is a plain JSON object nesting at most ``MAX_KEY_DEPTH`` levels.
+
+    Plain JSON: ``dict`` with ``str`` keys, ``list``, ``str``, ``int``, ``float``, ``bool`` and
+    ``None``, exact types (what ``json.loads`` makes; no subclass, tuple or other mapping), so
+    that ``==`` with the copy means JSON equality, but for ``1 == 1.0 == True``. None otherwise.
+    """
+    if type(raw) is not dict:
+        return None
+    try:
+        return _copy(raw, MAX_KEY_DEPTH)
+    except _NotPlainJson:
+        return None
+
+
+def equal_prefix(raw: list[Any], keys: list[Any]) -> int:
+    """How many leading items of ``raw`` equal those of ``keys`` (``raw[i] == keys[i]``).
+
+    The usual answer when a cache keys an agent's resent history, all of them, costs one list
+    comparison at C speed; only a difference costs a scan to find it.
+    """
+    n = min(len(raw), len(keys))
+    if raw[:n] == keys[:n]:
+        return n
+    return next((i for i in range(n) if raw[i] != keys[i]), n)
+
+
+class _NotPlainJson(Exception):
+    pass
+
+
+def _copy(value: Any, depth: int) -> Any:
+    kind = type(value)
+    if value is None or kind is str or kind is int or kind is float or kind is bool:
+        return value
+    if depth == 0:
+        raise _NotPlainJson
+    if kind is list:
+        return [_copy(item, depth - 1) for item in value]
+    if kind is dict:
+        out = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _NotPlainJson
+            out[key] = _copy(item, depth - 1)
+        return out
+    raise _NotPlainJson

@@ -26,6 +26,17 @@ Both refuse to extend a checkpoint whose generation stopped at the length limit
 (``AbortedBranch``); retrying that turn is allowed. Each session serialises ``plan``,
 ``commit`` and reads with its own lock, so it is safe to call from threads and from
 coroutines on one event loop alike.
+
+Replays are recognised, not re-judged. Parsing and matching the whole resent history every
+turn would make a turn cost grow with the conversation. So once the matcher has accepted a
+message as the recorded one at some place, the session keeps the message as it was sent there
+(its ``replay_key``: a frozen copy of the plain JSON value) with its parse. A later request
+whose message at that place is the same JSON value (``==``, compared for the whole history at
+once, at C speed) reuses both; only the other messages (normally the last turn's) are parsed
+and put to the matcher. This relies on the matcher being a function of the two messages (the
+same pair, the same answer), which every built-in is and every user matcher must be; it does
+not rely on the matcher accepting identical messages, since a verdict is only ever reused for
+the exact pair it was given for.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles.errors import ConfigError
@@ -53,10 +65,33 @@ from miles.sessions.errors import (
     TruncatedBranch,
 )
 from miles.sessions.matchers import CheckedMatcher, Matcher, checked, differences, strict
-from miles.sessions.messages import Message, parse_messages
+from miles.sessions.messages import Message, equal_prefix, message_list, replay_key
 
 SessionMode = Literal["linear", "branching"]
 LeafSelection = Literal["drop_retries", "all"]
+
+# The replay key of a recorded message the agent has not resent in an accepted form yet: no
+# request message equals it (a bare object is equal to itself only).
+_UNSEEN: Any = object()
+
+
+@dataclass(frozen=True, eq=False)
+class _Request:
+    """A request's messages as sent (``raw``) and parsed (reused where a replay was recognised)."""
+
+    raw: list[Any]
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _LinearRequest(_Request):
+    fresh: list[int]  # the places parsed now, in order: only these need the matcher
+
+
+@dataclass(frozen=True, eq=False)
+class _BranchingRequest(_Request):
+    recognised: list[Checkpoint]  # checkpoints whose whole path is a recognised replay
+    frontier: list[Checkpoint]  # roots and children of those that are not: the matcher decides
 
 
 class Session(ABC):
@@ -87,16 +122,17 @@ class Session(ABC):
         """Decide which checkpoint ``messages`` (the request's whole list) extends.
 
         Raises ``MessageError`` for malformed messages and a ``SessionConflict`` subclass when
-        the session refuses the request; nothing changes in either case.
+        the session refuses the request; nothing changes in either case (the replay cache aside).
         """
-        parsed = parse_messages(messages)
-        if not parsed:
+        raw = message_list(messages)
+        if not raw:
             raise MessageError("a request needs at least one message")
         with self._lock:
+            request = self._read(raw)  # parses what it does not recognise: malformed input fails first
             self._check_open()
             if self._created >= self.max_checkpoints:
                 raise self._full()
-            plan = self._plan(parsed)
+            plan = self._plan(request)
             self._register(plan)
             return plan
 
@@ -197,8 +233,12 @@ class Session(ABC):
     # ------------------------------------------------------------------- subclasses
 
     @abstractmethod
-    def _plan(self, messages: tuple[Message, ...]) -> Plan:
-        """Where ``messages`` attaches (under the lock); raise a ``SessionConflict`` to refuse."""
+    def _read(self, raw: list[Any]) -> _Request:
+        """Parse ``raw``, reusing the parse of every replay recognised (under the lock)."""
+
+    @abstractmethod
+    def _plan(self, request: Any) -> Plan:
+        """Where the request from ``_read`` attaches (under the lock); a ``SessionConflict`` refuses it."""
 
     @abstractmethod
     def _register(self, plan: Plan) -> None:
@@ -292,10 +332,32 @@ class LinearSession(Session):
         super().__init__(session_id, matcher=matcher, max_checkpoints=max_checkpoints)
         self._chain: list[Checkpoint] = []
         self._path: list[Message] = []  # recorded messages of the chain, kept in step with it
+        # The replay cache, in step with _path: at place i, the replay key of the form in which
+        # the matcher last accepted a resent _path[i], and that form parsed; while there is none,
+        # _UNSEEN and the recorded message (a placeholder no request can reach).
+        self._keys: list[Any] = []
+        self._replayed: list[Message] = []
+        self._known = 0  # _keys[:_known] holds no _UNSEEN
         self._retried: list[Checkpoint] = []
         self._pending: Plan | None = None
 
-    def _plan(self, messages: tuple[Message, ...]) -> Plan:
+    def _read(self, raw: list[Any]) -> _LinearRequest:
+        # The recognised run of the history in one comparison; after it (normally just the latest
+        # turn's messages), place by place.
+        keys = self._keys
+        start = equal_prefix(raw, keys[: self._known])
+        messages = self._replayed[:start]
+        fresh: list[int] = []
+        for i in range(start, len(raw)):
+            if i < len(keys) and raw[i] == keys[i]:
+                messages.append(self._replayed[i])
+            else:
+                messages.append(Message.from_openai(raw[i], index=i))
+                fresh.append(i)
+        return _LinearRequest(raw, tuple(messages), fresh)
+
+    def _plan(self, request: _LinearRequest) -> Plan:
+        messages = request.messages
         if self._pending is not None:
             raise SessionBusy(
                 f"session {self.id} is linear and a request of it is still generating; send the next "
@@ -303,7 +365,7 @@ class LinearSession(Session):
             )
         if not self._chain:
             return Plan(self.id, None, messages)
-        matched = self._matched_prefix(messages)
+        matched = self._matched_prefix(request)
         tail = self._chain[-1]
         if matched == len(self._path):  # the whole recorded path: extend the tail
             if len(messages) == matched:
@@ -316,12 +378,29 @@ class LinearSession(Session):
             return Plan(self.id, tail.parent, messages, replaces=tail)
         raise self._diverged(messages, matched)
 
-    def _matched_prefix(self, messages: tuple[Message, ...]) -> int:
-        n = min(len(messages), len(self._path))
-        for i in range(n):
-            if not self.matcher(self._path[i], messages[i]):
+    def _matched_prefix(self, request: _LinearRequest) -> int:
+        """How many leading request messages replay the recorded path.
+
+        A recognised replay matches without asking the matcher; the others are put to it in order.
+        """
+        n = min(len(request.messages), len(self._path))
+        for i in request.fresh:
+            if i >= n:
+                break
+            if not self.matcher(self._path[i], request.messages[i]):
                 return i
+            self._remember(i, request.raw[i], request.messages[i])
         return n
+
+    def _remember(self, index: int, raw: Any, message: Message) -> None:
+        """The matcher accepted ``raw`` (parsed: ``message``) as the recorded message at ``index``."""
+        key = replay_key(raw, message)
+        if key is None:
+            return
+        self._keys[index] = key
+        self._replayed[index] = message
+        while self._known < len(self._keys) and self._keys[self._known] is not _UNSEEN:
+            self._known += 1
 
     def _diverged(self, messages: tuple[Message, ...], index: int) -> HistoryDiverged:
         turn = next(c for c in self._chain if c.num_messages > index)
@@ -367,9 +446,15 @@ class LinearSession(Session):
             # The chain cannot have moved: no other plan could be committed while this one was open.
             assert self._chain and self._chain[-1] is plan.replaces
             self._retried.append(self._chain.pop())
-        del self._path[checkpoint.start :]
+        start, turn = checkpoint.start, checkpoint.turn_messages
+        del self._path[start:], self._keys[start:], self._replayed[start:]
+        self._known = min(self._known, start)
         self._chain.append(checkpoint)
-        self._path += checkpoint.turn_messages
+        self._path += turn
+        # Not keyed yet: the recorded message is the request's own parse here, and only the matcher
+        # (which need not accept a message as itself) can say that a resent form replays it.
+        self._keys += [_UNSEEN] * len(turn)
+        self._replayed += turn
 
     def trajectories(self, selection: LeafSelection = "drop_retries") -> list[list[Checkpoint]]:
         with self._lock:
@@ -402,9 +487,34 @@ class BranchingSession(Session):
         self._all: list[Checkpoint] = []
         self._children: dict[int | None, list[Checkpoint]] = {None: []}  # parent id -> children
         self._pending: set[Plan] = set()
+        # The replay cache, per checkpoint id: the replay keys of the form in which the matcher
+        # last accepted the checkpoint's turn messages, resent, and that form parsed.
+        self._keys: dict[int, list[Any]] = {}
+        self._replayed: dict[int, tuple[Message, ...]] = {}
 
-    def _plan(self, messages: tuple[Message, ...]) -> Plan:
-        parent = self._deepest_prefix(messages)
+    def _read(self, raw: list[Any]) -> _BranchingRequest:
+        # Walk down the checkpoints whose turn is a recognised replay; where recognition stops,
+        # the matcher takes over in _deepest_prefix (each checkpoint is looked at once in all).
+        recognised: list[Checkpoint] = []
+        frontier: list[Checkpoint] = []
+        stack = list(self._children[None])
+        while stack:
+            node = stack.pop()
+            if self._recognised(node, raw):
+                recognised.append(node)
+                stack += self._children[node.id]
+            else:
+                frontier.append(node)
+        deepest = max(recognised, key=_depth_order, default=None)
+        messages: list[Message] = []
+        for node in deepest.path() if deepest is not None else ():
+            messages += self._replayed[node.id]
+        messages += (Message.from_openai(raw[i], index=i) for i in range(len(messages), len(raw)))
+        return _BranchingRequest(raw, tuple(messages), recognised, frontier)
+
+    def _plan(self, request: _BranchingRequest) -> Plan:
+        messages = request.messages
+        parent = self._deepest_prefix(request)
         if parent is None:
             return Plan(self.id, None, messages)
         if parent.num_messages == len(messages):
@@ -412,25 +522,43 @@ class BranchingSession(Session):
         self._refuse_dead_end(parent, parent.num_messages)
         return Plan(self.id, parent, messages)
 
-    def _deepest_prefix(self, messages: tuple[Message, ...]) -> Checkpoint | None:
+    def _deepest_prefix(self, request: _BranchingRequest) -> Checkpoint | None:
         """The checkpoint matching the most messages (newest on ties) whose whole path matches.
 
         A checkpoint whose turn matches only partly is not a candidate, nor is anything below it.
+        The recognised replays match; the walk goes on from the frontier ``_read`` left.
         """
-        best: Checkpoint | None = None
-        stack = list(self._children[None])
+        best = max(request.recognised, key=_depth_order, default=None)
+        stack = list(request.frontier)
         while stack:
             node = stack.pop()
-            end = node.num_messages
-            if end > len(messages):
+            if not (self._recognised(node, request.raw) or self._matches(node, request)):
                 continue
-            start = node.start
-            if not all(self.matcher(m, messages[start + j]) for j, m in enumerate(node.turn_messages)):
-                continue
-            if best is None or (end, node.id) > (best.num_messages, best.id):
+            if best is None or _depth_order(node) > _depth_order(best):
                 best = node
-            stack += self._children.get(node.id, ())
+            stack += self._children[node.id]
         return best
+
+    def _recognised(self, node: Checkpoint, raw: list[Any]) -> bool:
+        """Whether ``raw`` resends ``node``'s turn in the form the matcher accepted last time."""
+        key = self._keys.get(node.id)
+        return (
+            key is not None and node.num_messages <= len(raw) and raw[node.start : node.num_messages] == key
+        )
+
+    def _matches(self, node: Checkpoint, request: _BranchingRequest) -> bool:
+        """Ask the matcher about ``node``'s turn; remember the replay it accepts."""
+        start, end = node.start, node.num_messages
+        if end > len(request.messages):
+            return False
+        incoming = request.messages[start:end]
+        if not all(self.matcher(m, x) for m, x in zip(node.turn_messages, incoming, strict=True)):
+            return False
+        keys = [replay_key(r, m) for r, m in zip(request.raw[start:end], incoming, strict=True)]
+        if None not in keys:
+            self._keys[node.id] = keys
+            self._replayed[node.id] = incoming
+        return True
 
     def _register(self, plan: Plan) -> None:
         self._pending.add(plan)
@@ -494,6 +622,11 @@ class BranchingSession(Session):
                 "max_depth": max((c.depth for c in self._all), default=0),
                 "in_flight": len(self._pending),
             }
+
+
+def _depth_order(node: Checkpoint) -> tuple[int, int]:
+    """Deeper first (more messages matched), then newer."""
+    return node.num_messages, node.id
 
 
 SESSION_CLASSES: dict[str, type[Session]] = {"linear": LinearSession, "branching": BranchingSession}
