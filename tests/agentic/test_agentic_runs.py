@@ -92,12 +92,16 @@ def test_multi_turn_run_trains_on_the_episodes(tool_model, tmp_path) -> None:
         model_dir,
         "rollout.generate_fn=multi_turn",
         "agentic={family: qwen3, tools: calculator, max_turns: 4}",
+        f"eval={{data: {{path: {tmp_path / 'sums.jsonl'}}}, max_prompts: 3, every: 2}}",
     )
     result, rec = _run(config)
     _assert_token_exact(rec, family, tokenizer)
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["rollout/reward_mean"] == 1.0 for r in rows)
+    # Evaluation runs the same multi-turn episodes (on the shared engines here).
+    (evaluation,) = [json.loads(line) for line in Path(result.run_dir, "eval.jsonl").read_text().splitlines()]
+    assert evaluation["status"] == "ok" and evaluation["metrics"]["score"] == 1.0, evaluation
 
 
 def test_agentic_run_through_the_session_server_with_the_builtin_agent(tool_model, tmp_path) -> None:

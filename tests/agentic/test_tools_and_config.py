@@ -136,6 +136,14 @@ def _problem(overrides: list[str], pm) -> str:
             "drives a linear conversation itself",
         ),
         (["rollout.generate_fn=agentic", "agentic={family: qwen3, max_turns: 0}"], "max_turns"),
+        (
+            [
+                "rollout.generate_fn=agentic",
+                "agentic={family: qwen3}",
+                "eval={data: {path: x.jsonl}, mode: dedicated}",
+            ],
+            "eval.mode 'dedicated' with rollout.generate_fn 'agentic' is not supported",
+        ),
     ],
 )
 def test_agentic_recipe_refusals(overrides: list[str], message: str, pm) -> None:

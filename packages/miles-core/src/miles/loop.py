@@ -132,9 +132,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
             if config.eval is not None:  # its own stack: closed (and drained) right after the last step
                 eval_stack = stack.enter_context(contextlib.ExitStack())
                 evaluator = eval_stack.enter_context(
-                    _evaluator(
-                        config, model_path, ctx.tokenizer, run, engine_urls, backend, generation, weights_lock
-                    )
+                    _evaluator(config, ctx, run, engine_urls, backend, generation, weights_lock, model_path)
                 )
         else:
             sft = SFTStage(
@@ -272,13 +270,13 @@ def _generation(
 
 def _evaluator(
     config: MilesConfig,
-    model_path: str,
-    tokenizer,
+    ctx: RolloutContext,
     run: RunDir,
     engine_urls: list[str],
     backend,
     generation,
     weights_lock: threading.Lock,
+    model_path: str,
 ):
     from miles.eval import Evaluator
 
@@ -286,7 +284,8 @@ def _evaluator(
     return Evaluator(
         config,
         model_path=model_path,
-        tokenizer=tokenizer,
+        tokenizer=ctx.tokenizer,
+        agentic=ctx.agentic,
         run_dir=run.path,
         engine_urls=engine_urls,
         export_snapshot=backend.export_hf,

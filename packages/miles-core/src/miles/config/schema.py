@@ -497,6 +497,12 @@ class MilesConfig(Section):
                 check_update_mode(self.fully_async.update_mode)
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
+        if generate_fn == "agentic" and self.eval is not None and self.eval.mode != "shared":
+            raise ValueError(
+                f"eval.mode {self.eval.mode!r} with rollout.generate_fn 'agentic' is not supported: the agent "
+                "reaches engines through the run's session server, which serves the training engines. Use "
+                "eval.mode: shared (or generate_fn multi_turn, which evaluates on any engines)"
+            )
         if self.agentic is not None and self.agentic.session_mode == "branching" and generate_fn != "agentic":
             raise ValueError(
                 "agentic.session_mode 'branching' applies to the session server (generate_fn agentic); "

@@ -16,7 +16,7 @@ from miles.config.schema import DataSection, MilesConfig
 from miles.errors import DataError
 from miles.eval.result import ENGINE_ERROR, EvalSkipped
 from miles.eval.versions import VersionStats, version_stats
-from miles.interfaces import EngineClient, RewardFn, RolloutContext, RolloutFn
+from miles.interfaces import AgenticContext, EngineClient, RewardFn, RolloutContext, RolloutFn
 from miles.types import Prompt, Sample, SamplingParams, Status
 
 
@@ -57,6 +57,7 @@ class EvalSet:
     n_samples_per_prompt: int
     rollout: RolloutFn
     options: dict[str, Any] = field(default_factory=dict)  # the rollout options (generate layers read them)
+    agentic: AgenticContext | None = None  # the run's multi-turn / agentic settings (its session server)
 
     async def score(self, engines: list[EngineClient], version: int) -> EvalScore:
         """Run every eval prompt on ``engines`` (spread over them) and score the result as ``version``."""
@@ -69,6 +70,7 @@ class EvalSet:
             n_samples_per_prompt=self.n_samples_per_prompt,
             reward=self.reward,
             options=dict(self.options),
+            agentic=self.agentic,
         )
         # Copies: a generate layer may annotate its prompt, and the next evaluation must see the same set.
         groups = await self.rollout(ctx, copy.deepcopy(self.prompts))
@@ -136,8 +138,11 @@ def build_eval_set(
     )
 
 
-def eval_set_from_config(config: MilesConfig, tokenizer: Any) -> EvalSet:
-    """The run's eval set: ``eval.data`` sampled per the ``eval`` section, the run's generate layer.
+def eval_set_from_config(
+    config: MilesConfig, tokenizer: Any, agentic: AgenticContext | None = None
+) -> EvalSet:
+    """The run's eval set: ``eval.data`` sampled per the ``eval`` section, the run's generate layer
+    (with ``agentic``, the run's multi-turn / agentic settings, when it uses one).
 
     The reward is ``eval.reward`` (default: the training reward, with its options unless
     ``eval.reward_options`` gives others).
@@ -148,7 +153,7 @@ def eval_set_from_config(config: MilesConfig, tokenizer: Any) -> EvalSet:
     r = config.rollout
     reward = ev.reward or r.reward
     reward_options = ev.reward_options if (ev.reward is not None or ev.reward_options) else r.reward_options
-    return build_eval_set(
+    eval_set = build_eval_set(
         data=ev.data,
         tokenizer=tokenizer,
         reward=reward,
@@ -160,3 +165,5 @@ def eval_set_from_config(config: MilesConfig, tokenizer: Any) -> EvalSet:
         generate_fn=r.generate_fn,
         rollout_options=r.options,
     )
+    eval_set.agentic = agentic
+    return eval_set
