@@ -125,6 +125,10 @@ def test_sessions_stick_to_their_engine_and_the_second_turn_reuses_its_prefix(to
         script = script_episode(*tool_model[:2], a, b)
         assert second == len(script.prompt1) + len(script.reply1) - 1
         assert first < second
+        assert sample.metadata["cached_tokens"] == first + second  # the server's count of the session
+        assert sample.metadata["prompt_tokens"] == 2 * len(script.prompt1) + len(script.reply1) + len(
+            script.suffix
+        )
     # The four sessions were spread over both engines, and every key was forgotten at the end.
     assert metrics["router/keys"] == 0
     assert metrics["router/engine0/routed"] > 0 and metrics["router/engine1/routed"] > 0

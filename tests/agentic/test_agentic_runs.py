@@ -99,6 +99,9 @@ def test_multi_turn_run_trains_on_the_episodes(tool_model, tmp_path) -> None:
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["rollout/reward_mean"] == 1.0 for r in rows)
+    for row in rows:  # two turns, one tool call; turn 2 is served from turn 1's cached prefix
+        assert row["rollout/episode/turns_mean"] == 2.0 and row["rollout/episode/tool_calls_mean"] == 1.0
+        assert row["rollout/episode/cached_prompt_frac"] > 0.4
     # Evaluation runs the same multi-turn episodes (on the shared engines here).
     (evaluation,) = [json.loads(line) for line in Path(result.run_dir, "eval.jsonl").read_text().splitlines()]
     assert evaluation["status"] == "ok" and evaluation["metrics"]["score"] == 1.0, evaluation

@@ -129,10 +129,31 @@ def rollout_metrics(
         "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "time/rollout_s": seconds,
     }
+    metrics |= episode_metrics(samples)
     for reason, n in dropped.items():
         metrics[f"rollout/dropped/{reason}"] = float(n)
     if kept:
         metrics["rollout/kept_reward_mean"] = statistics.fmean(
             s.reward or 0.0 for g in kept for s in g.samples
+        )
+    return metrics
+
+
+def episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Multi-turn episodes (samples assembled from sessions): turns, tool calls, and the share of
+    prompt tokens the engines' prefix caches served (what session affinity saves)."""
+    episodes = [s for s in samples if "turns" in s.metadata]
+    if not episodes:
+        return {}
+    metrics = {
+        "rollout/episode/turns_mean": statistics.fmean(s.metadata["turns"] for s in episodes),
+        "rollout/episode/tool_calls_mean": statistics.fmean(
+            s.metadata.get("tool_calls", 0) for s in episodes
+        ),
+    }
+    prompt = sum(s.metadata.get("prompt_tokens", 0) for s in episodes)
+    if prompt:
+        metrics["rollout/episode/cached_prompt_frac"] = (
+            sum(s.metadata.get("cached_tokens", 0) for s in episodes) / prompt
         )
     return metrics

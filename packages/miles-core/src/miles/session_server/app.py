@@ -71,6 +71,16 @@ SESSION_ID = Path(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 @dataclass
+class SessionUsage:
+    """What a session's turns cost: prompt tokens sent, how many the engine's prefix cache served,
+    and whether the session ran out of tokens (``max_seq_len``)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    exhausted: bool = False
+
+
+@dataclass
 class ServerState:
     """What the server needs: the store, the family that owns tokens, the engines, default sampling.
 
@@ -89,7 +99,7 @@ class ServerState:
     model_name: str = "policy"
     max_seq_len: int | None = None
     router: Router | None = None  # default: affinity routing over ``engines``
-    _exhausted: set[str] = field(default_factory=set)
+    _usage: dict[str, SessionUsage] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -100,17 +110,21 @@ class ServerState:
         """Bind a new session to an engine (the least active); returns the engine's index."""
         return self.router.route(session_id, sticky=True).engine_index
 
-    def mark_exhausted(self, session_id: str) -> None:
+    def record(
+        self, session_id: str, *, prompt_tokens: int = 0, cached_tokens: int = 0, exhausted: bool = False
+    ) -> None:
+        """Count a turn's tokens (or that the session ran out of them) towards its usage."""
         with self._lock:
-            self._exhausted.add(session_id)
+            usage = self._usage.setdefault(session_id, SessionUsage())
+            usage.prompt_tokens += prompt_tokens
+            usage.cached_tokens += cached_tokens
+            usage.exhausted |= exhausted
 
-    def release(self, session_id: str) -> bool:
-        """Forget a deleted session's routing; returns whether it had run out of tokens."""
+    def release(self, session_id: str) -> SessionUsage:
+        """Forget a deleted session's routing; returns its usage (tokens, and whether it ran out)."""
         self.router.forget(session_id)
         with self._lock:
-            exhausted = session_id in self._exhausted
-            self._exhausted.discard(session_id)
-        return exhausted
+            return self._usage.pop(session_id, SessionUsage())
 
 
 def _error(exc: Exception) -> JSONResponse:
@@ -194,8 +208,9 @@ def create_app(state: ServerState) -> FastAPI:
                 max_seq_len=state.max_seq_len,
             )
         except ContextExhausted:
-            state.mark_exhausted(session_id)
+            state.record(session_id, exhausted=True)
             raise
+        state.record(session_id, prompt_tokens=turn.prompt_tokens, cached_tokens=turn.cached_tokens)
         reply = turn.reply
         return ChatCompletion(
             model=body.model,

@@ -14,16 +14,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from miles.session_server.app import ServerState
+from miles.session_server.app import ServerState, SessionUsage
 from miles.sessions import Session
 
 
 @dataclass
 class ClosedSession:
-    """A finished episode's session, and whether it ran out of tokens (``max_seq_len``)."""
+    """A finished episode's session and what its turns cost (tokens; whether it ran out of them)."""
 
     session: Session
-    exhausted: bool
+    usage: SessionUsage
 
 
 @dataclass
@@ -44,8 +44,8 @@ class SessionService:
         try:
             session = self.state.store.delete(session_id)
         finally:
-            exhausted = self.state.release(session_id)
-        return ClosedSession(session=session, exhausted=exhausted)
+            usage = self.state.release(session_id)
+        return ClosedSession(session=session, usage=usage)
 
 
 @contextlib.contextmanager

@@ -59,11 +59,13 @@ async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     metadata = dict(result.metadata)
     if result.reward is not None:
         metadata[AGENT_REWARD] = float(result.reward)
+    usage = closed.usage
+    metadata |= {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens}
     return episode_samples(
         closed.session,
         sample,
         selection=agentic.leaf_selection,
-        truncated=closed.exhausted,
+        truncated=usage.exhausted,
         failure=failure,
         metadata=metadata,
     )

@@ -41,12 +41,16 @@ def episode_samples(
 
     ``slot`` is the sample the rollout made for this attempt: an episode that recorded no turn
     comes back as that slot, failed, with the reason in its metadata. ``truncated``: the
-    episode ran out of its token or turn budget, so it did not end by itself.
+    episode ran out of its token or turn budget, so it did not end by itself. Every sample's
+    metadata gets ``metadata`` and ``tool_calls`` (the session's tool calls, all branches).
     """
     samples = session_samples(
         session, slot.prompt, group_index=slot.group_index, selection=selection, failure=failure
     )
-    extra = dict(metadata or {})
+    extra = {
+        "tool_calls": sum(len(c.assistant.tool_calls) for c in session.checkpoints()),
+        **(metadata or {}),
+    }
     if not samples:
         slot.status = Status.FAILED
         slot.metadata.update(extra, failure=failure or "the episode recorded no turn")

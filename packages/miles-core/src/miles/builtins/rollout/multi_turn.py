@@ -41,6 +41,7 @@ async def _episode(
     messages = prompt_messages(sample.prompt)
     tools = agentic.toolset.specs() if agentic.toolset is not None else None
     ended_by = "max_turns"
+    prompt_tokens = cached_tokens = 0
     for _ in range(agentic.max_turns):
         try:
             result = await complete_turn(
@@ -56,15 +57,16 @@ async def _episode(
         except ContextExhausted:
             ended_by = "max_seq_len"
             break
+        prompt_tokens += result.prompt_tokens
+        cached_tokens += result.cached_tokens
         messages.append(result.reply.to_message())
         if result.finish_reason != "tool_calls" or agentic.toolset is None:
             ended_by = result.finish_reason
             break
         messages += await run_tool_calls(agentic.toolset, result.reply.tool_calls)
-    tool_calls = sum(len(c.assistant.tool_calls) for c in session.checkpoints())
     return episode_samples(
         session,
         sample,
         truncated=ended_by in ("max_turns", "max_seq_len"),
-        metadata={"ended_by": ended_by, "tool_calls": tool_calls},
+        metadata={"ended_by": ended_by, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens},
     )
