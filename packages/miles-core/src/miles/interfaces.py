@@ -118,14 +118,15 @@ class RolloutContext:
     agentic: AgenticContext | None = None
 
     # Routes requests over ``engines`` (miles.engines.router.Router): by session key for multi-turn
-    # work, by load otherwise. Built from ``engines`` when not given.
+    # work, by load otherwise. Built from ``engines`` (and ``dp_sizes``) when not given.
     router: Any = None
+    dp_sizes: list[int] | None = None  # data-parallel ranks per engine (None: one each)
 
     def __post_init__(self) -> None:
         if self.router is None and self.engines:
             from miles.engines.router import Router
 
-            self.router = Router(self.engines)
+            self.router = Router(self.engines, dp_sizes=self.dp_sizes)
 
     def engine_for(self, key: int) -> EngineClient:
         return self.engines[key % len(self.engines)]

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from miles.config.schema import MilesConfig
-from miles.driver.agentic import session_server
+from miles.driver.agentic import fleet_dp_sizes, session_server
 from miles.driver.components import Components, build_components
 from miles.driver.generation import RolloutStage, SyncGeneration
 from miles.driver.services import (
@@ -119,9 +119,11 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                 backend.update_weights(state.weight_version)
                 check_engine_versions(loop, engines, state.weight_version)
         if rl:
-            ctx = _rollout_context(config, model_path, engines, components, console)
+            # Sessions stick to one data-parallel rank of an engine that has several.
+            dp_sizes = fleet_dp_sizes(engine_urls) if components.agentic is not None else None
+            ctx = _rollout_context(config, model_path, engines, components, console, dp_sizes)
             ctx.agentic = stack.enter_context(
-                session_server(config, components.agentic, engine_urls, ctx.tokenizer, ctx.sampling)
+                session_server(config, components.agentic, engine_urls, ctx.tokenizer, ctx.sampling, dp_sizes)
             )
             teacher = stack.enter_context(served_teacher(config, ctx.tokenizer, loop, run.sub("teachers")))
             if teacher is not None:
@@ -342,7 +344,7 @@ def _tokenizer(model_path: str):
 
 
 def _rollout_context(
-    config: MilesConfig, model_path: str, engines: list, components, console
+    config: MilesConfig, model_path: str, engines: list, components, console, dp_sizes: list[int] | None
 ) -> RolloutContext:
     tokenizer = _tokenizer(model_path)
     r = config.rollout
@@ -358,6 +360,7 @@ def _rollout_context(
         reward_postprocess=list(components.reward_postprocess),
         options=dict(r.options),
         on_sample_done=console.sample_done if console is not None else None,
+        dp_sizes=dp_sizes,
     )
 
 

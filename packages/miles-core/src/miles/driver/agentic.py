@@ -40,6 +40,25 @@ def uses_server(config: MilesConfig) -> bool:
     return config.agentic is not None and config.rollout.generate_fn != "multi_turn"
 
 
+def fleet_dp_sizes(engine_urls: list[str]) -> list[int]:
+    """Each engine's data-parallel ranks (``dp_size`` of ``/get_server_info``), so that session
+    routing can pin a session to one rank of an engine that has several (SGLang with DP attention)."""
+    import asyncio
+
+    from miles.engines.client import SGLangClient
+    from miles.engines.router import engine_dp_sizes
+
+    async def ask() -> list[int]:
+        clients = [SGLangClient(url) for url in engine_urls]
+        try:
+            return await engine_dp_sizes(clients)
+        finally:
+            for client in clients:
+                await client.aclose()
+
+    return asyncio.run(ask())
+
+
 @contextlib.contextmanager
 def session_server(
     config: MilesConfig,
@@ -47,24 +66,28 @@ def session_server(
     engine_urls: list[str],
     tokenizer: object,
     sampling: SamplingParams,
+    dp_sizes: list[int] | None = None,
 ) -> Iterator[AgenticContext | None]:
     """``agentic`` with the run's session server attached, for the duration of the block."""
     if agentic is None or not uses_server(config):
         yield agentic
         return
     from miles.engines.client import SGLangClient
+    from miles.engines.router import Router
     from miles.session_server.app import ServerState
     from miles.session_server.service import session_service
     from miles.sessions import SessionStore
 
     a = config.agentic
+    clients = [SGLangClient(url) for url in engine_urls]  # opened on the server's own event loop
     state = ServerState(
         store=SessionStore(mode=agentic.session_mode, matcher=agentic.matcher),
         family=agentic.family,
         tokenizer=tokenizer,
-        engines=[SGLangClient(url) for url in engine_urls],  # opened on the server's own event loop
+        engines=clients,
         sampling=sampling,
         max_seq_len=agentic.max_seq_len,
+        router=Router(clients, dp_sizes=dp_sizes),
     )
     with session_service(state, host=a.server_host, port=a.server_port) as service:
         yield dataclasses.replace(agentic, server=service)
