@@ -11,9 +11,18 @@ VOCAB = 128
 
 
 def make_tiny_qwen3(
-    path: Path, *, seed: int = 0, moe: bool = False, eos_token_id: int | None = None, tokenizer: bool = False
+    path: Path,
+    *,
+    seed: int = 0,
+    moe: bool = False,
+    eos_token_id: int | None = None,
+    tokenizer: bool = False,
+    **config: Any,
 ) -> Path:
-    """Save a tiny random Qwen3 (or Qwen3-MoE) model to ``path``; weights depend only on ``seed``."""
+    """Save a tiny random Qwen3 (or Qwen3-MoE) model to ``path``; weights depend only on ``seed``.
+
+    ``config`` overrides or adds config fields (e.g. sliding-window attention).
+    """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -32,6 +41,7 @@ def make_tiny_qwen3(
         pad_token_id=None,
         tie_word_embeddings=not moe,
     )
+    common.update(config)
     torch.manual_seed(seed)
     if moe:
         config = Qwen3MoeConfig(

@@ -436,24 +436,12 @@ def test_moe_routing_is_stored_with_the_kv_and_returned_for_cached_positions(moe
 
 
 def test_models_whose_caches_cannot_be_merged_have_no_prefix_cache(engine_tmp: Path) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
+    path = make_tiny_qwen3(
+        engine_tmp / "prefix-sliding",
         use_sliding_window=True,
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
     )
-    path = engine_tmp / "prefix-sliding"
-    Qwen3ForCausalLM(config).save_pretrained(path)
     served = Served(path)
     try:
         assert served.info()["prefix_cache"] is None and served.info()["continuous_batching"] is False
