@@ -166,6 +166,25 @@ def test_a_failing_agent_fails_its_trajectory_and_agent_rewards_are_used(tool_mo
     assert sample.status is Status.COMPLETED and sample.reward == 0.25
 
 
+def test_an_agent_past_its_time_limit_is_cancelled_and_fails(tool_model, two_engines):
+    cancelled = []
+
+    async def slow(task: AgentTask) -> None:
+        await tool_agent(AgentTask(**{**task.__dict__, "max_turns": 1}))
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    with _server(tool_model, two_engines) as service:
+        (group,) = _rollout(tool_model, service, [_prompt(0, *PAIRS[0])], slow, agent_timeout_s=2.0)
+        assert len(service.state.store) == 0
+    (sample,) = group.samples
+    assert cancelled == [True]
+    assert sample.status is Status.FAILED and "agent_timeout_s" in sample.metadata["failure"]
+
+
 def test_a_branching_session_yields_one_sample_per_leaf(tool_model, two_engines):
     """The agent asks the first question twice (a retry that the branching rule keeps as a second
     leaf, ``leaf_selection: all``), then finishes the episode: two samples take the attempt's place."""

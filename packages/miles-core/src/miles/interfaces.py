@@ -210,6 +210,7 @@ class AgenticContext:
     toolset: ToolSet | None = None
     agent: AgentFn | None = None
     agent_options: dict[str, Any] = field(default_factory=dict)
+    agent_timeout_s: float | None = None  # an agent running longer is cancelled; its episode fails
     max_turns: int = 8
     max_seq_len: int | None = None  # prompt + response tokens per trajectory; beyond it: truncated
     server: Any = None  # the running session server (miles.session_server.SessionService), agentic only

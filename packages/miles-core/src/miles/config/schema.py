@@ -330,6 +330,9 @@ class AgenticSection(Section):
     tools_options: dict[str, Any] = Field(default_factory=dict)
     agent: str = Field("tool_agent", description="agent function name or import path (generate_fn agentic)")
     agent_options: dict[str, Any] = Field(default_factory=dict)
+    agent_timeout_s: float | None = Field(
+        None, gt=0, description="an episode whose agent runs longer is cancelled and failed (None: no limit)"
+    )
     max_turns: int = Field(8, ge=1, description="model calls per episode")
     max_seq_len: int | None = Field(
         None, ge=2, description="prompt + response tokens per episode; an episode reaching it is truncated"

@@ -29,6 +29,7 @@ def resolve_agentic(config: MilesConfig) -> AgenticContext | None:
         toolset=make_component("toolset", a.tools, a.tools_options) if a.tools else None,
         agent=load_component("agent", a.agent) if uses_server(config) else None,
         agent_options=dict(a.agent_options),
+        agent_timeout_s=a.agent_timeout_s,
         max_turns=a.max_turns,
         max_seq_len=a.max_seq_len,
     )

@@ -7,14 +7,15 @@ any client, as a black box), then closes the session and turns what the server r
 samples: one for a linear session, one per selected leaf for a branching one. The server,
 not the agent, decided every token, so the samples hold exactly what the policy sampled.
 
-An agent that raises fails its trajectory (no reward, the error in the sample's metadata);
-the run goes on. What the agent returns (:class:`~miles.interfaces.AgentResult`, a dict
+An agent that raises, or runs past ``agentic.agent_timeout_s`` (it is then cancelled), fails
+its trajectory (no reward, the reason in the sample's metadata); the run goes on. What the agent returns (:class:`~miles.interfaces.AgentResult`, a dict
 with the same keys, or None) is merged into each sample's metadata; its ``reward`` is kept
 as ``metadata["agent_reward"]`` for the ``agent`` reward.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
 from typing import Any
@@ -49,8 +50,11 @@ async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     failure = None
     result = AgentResult()
     try:
-        result = as_agent_result(await agentic.agent(task))
+        result = as_agent_result(await asyncio.wait_for(agentic.agent(task), agentic.agent_timeout_s))
         failure = result.failure
+    except TimeoutError:
+        failure = f"the agent ran longer than agentic.agent_timeout_s ({agentic.agent_timeout_s} s)"
+        log.warning("agent timed out on prompt %d", sample.prompt.index)
     except Exception as exc:
         failure = f"the agent raised {type(exc).__name__}: {exc}"
         log.warning("agent failed on prompt %d:\n%s", sample.prompt.index, traceback.format_exc())
