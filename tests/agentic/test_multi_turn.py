@@ -18,6 +18,13 @@ from miles.types import Group, Prompt, SamplingParams, Status
 pytestmark = pytest.mark.slow
 
 
+class BrokenCalculator(Calculator):
+    """Offers the calculator, but its backend is down: every call raises (not a ToolError)."""
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> str:
+        raise ConnectionError("calculator backend unreachable")
+
+
 def _rollout(url: str, family: Any, tokenizer: Any, prompts: list[Prompt], **agentic: Any) -> list[Group]:
     from miles.engines.client import SGLangClient
 
@@ -29,7 +36,7 @@ def _rollout(url: str, family: Any, tokenizer: Any, prompts: list[Prompt], **age
             sampling=SamplingParams(max_new_tokens=40, temperature=0.0),
             n_samples_per_prompt=1,
             reward=exact_match,
-            agentic=AgenticContext(family=family, toolset=Calculator(), **agentic),
+            agentic=AgenticContext(family=family, **{"toolset": Calculator(), **agentic}),
         )
         try:
             return await GroupRollout(generate_fn="multi_turn")(ctx, prompts)
@@ -93,3 +100,14 @@ def test_running_out_of_turns_or_tokens_is_truncated(tool_model, tool_engine_url
     sample = cut_short.samples[0]
     assert sample.response_ids == list(script.reply1[:5])
     assert sample.status is Status.TRUNCATED and sample.finish_reason == "length"
+
+
+def test_a_broken_tool_set_fails_the_episode_not_the_rollout(tool_model, tool_engine_url) -> None:
+    family, tokenizer, _ = tool_model
+    a, b = PAIRS[0]
+    prompts = [_prompt(0, a, b)]
+    (group,) = _rollout(tool_engine_url, family, tokenizer, prompts, toolset=BrokenCalculator())
+    (sample,) = group.samples
+    assert sample.status is Status.FAILED and sample.reward is None
+    assert "ConnectionError: calculator backend unreachable" in sample.metadata["failure"]
+    assert sample.response_ids == list(script_episode(family, tokenizer, a, b).reply1)  # what ran is kept

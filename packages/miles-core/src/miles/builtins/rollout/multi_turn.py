@@ -3,7 +3,8 @@
 Miles itself plays the agent: it sends the prompt, runs every tool call of the reply with
 the run's tool set, appends the tool results and asks again, until the model answers
 without a tool call, ``agentic.max_turns`` turns have run, or the episode's tokens reach
-``agentic.max_seq_len``. Each turn goes through the session server's turn logic
+``agentic.max_seq_len``. A tool set that raises (other than ``ToolError``, which the model
+sees) fails the episode. Each turn goes through the session server's turn logic
 (:func:`miles.session_server.turns.complete_turn`) on an in-process linear session, so the
 trajectory is assembled exactly as for an agent talking to the server over HTTP: one
 sequence, loss mask 1 on sampled tokens only, log-probs and versions per token.
@@ -13,12 +14,17 @@ All turns of an episode go to one engine, the one that holds its prefix.
 
 from __future__ import annotations
 
+import logging
+import traceback
+
 from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
 from miles.builtins.tools import run_tool_calls
 from miles.interfaces import AgenticContext, RolloutContext
 from miles.session_server.turns import ContextExhausted, complete_turn
 from miles.sessions import LinearSession, strict
 from miles.types import GenerateOutput, Sample, SamplingParams
+
+log = logging.getLogger("miles.rollout")
 
 
 async def multi_turn_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
@@ -41,6 +47,7 @@ async def _episode(
     messages = prompt_messages(sample.prompt)
     tools = agentic.toolset.specs() if agentic.toolset is not None else None
     ended_by = "max_turns"
+    failure = None
     prompt_tokens = cached_tokens = 0
     for _ in range(agentic.max_turns):
         try:
@@ -63,10 +70,16 @@ async def _episode(
         if result.finish_reason != "tool_calls" or agentic.toolset is None:
             ended_by = result.finish_reason
             break
-        messages += await run_tool_calls(agentic.toolset, result.reply.tool_calls)
+        try:
+            messages += await run_tool_calls(agentic.toolset, result.reply.tool_calls)
+        except Exception as exc:  # a broken tool set (not a call the model got wrong): this episode fails
+            ended_by, failure = "tool_error", f"the tool set raised {type(exc).__name__}: {exc}"
+            log.warning("tool set failed on prompt %d:\n%s", sample.prompt.index, traceback.format_exc())
+            break
     return episode_samples(
         session,
         sample,
+        failure=failure,
         truncated=ended_by in ("max_turns", "max_seq_len"),
         metadata={"ended_by": ended_by, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens},
     )
