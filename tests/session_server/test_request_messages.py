@@ -95,6 +95,34 @@ def test_validate_message_is_the_one_message_check() -> None:
         assert err.value.index == 7
 
 
+def test_bodies_are_decoded_with_orjson_and_bad_json_is_still_a_422() -> None:
+    import asyncio
+
+    from miles.engines.client import SGLangClient
+
+    state = ServerState(
+        store=SessionStore(),
+        family=None,
+        tokenizer=None,
+        engines=[SGLangClient("http://127.0.0.1:9")],  # never reached: every body here is refused
+        sampling=SamplingParams(),
+    )
+    state.store.create(session_id="s")
+    app = create_app(state)
+
+    async def post(content: bytes) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as http:
+            headers = {"content-type": "application/json"}
+            return await http.post("/sessions/s/v1/chat/completions", content=content, headers=headers)
+
+    for body in (b'{"messages": [', b'{"messages": NaN}', b'{"model": 1' + b"0" * 30 + b"}", b"\xff"):
+        answer = asyncio.run(post(body))
+        assert answer.status_code == 422, (body, answer.text)
+    api = {route.path: type(route).__name__ for route in app.routes if route.path.startswith("/sessions")}
+    assert set(api.values()) == {"_OrjsonRoute"} and "/sessions/{session_id}/v1/chat/completions" in api
+
+
 def test_the_schema_still_documents_every_message() -> None:
     from miles.engines.client import SGLangClient
 

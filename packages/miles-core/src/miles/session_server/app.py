@@ -25,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Path, Request
+import orjson
+from fastapi import FastAPI, HTTPException, Path, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 
 from miles.engines.router import Router
 from miles.errors import EngineError
@@ -127,6 +129,32 @@ class ServerState:
             return self._usage.pop(session_id, SessionUsage())
 
 
+class _OrjsonRequest(Request):
+    """A request whose JSON body is decoded with orjson (about 2x faster than ``json.loads``).
+
+    An agent resends its whole conversation every turn, so decoding the body is the one part of
+    a turn whose cost grows with the history. ``orjson.JSONDecodeError`` subclasses
+    ``json.JSONDecodeError``, so a malformed body is still FastAPI's 422.
+    """
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class _OrjsonRoute(APIRoute):
+    """Routes that hand their endpoint an :class:`_OrjsonRequest` (FastAPI's custom-route hook)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_OrjsonRequest(request.scope, request.receive))
+
+        return route
+
+
 def _error(exc: Exception) -> JSONResponse:
     status = next((code for cls, code in _STATUS.items() if isinstance(exc, cls)), 400)
     body = {"error": {"message": str(exc), "type": getattr(exc, "code", type(exc).__name__)}}
@@ -145,6 +173,7 @@ def create_app(state: ServerState) -> FastAPI:
                 await close()
 
     app = FastAPI(title="Miles session server", version="1", lifespan=lifespan)
+    app.router.route_class = _OrjsonRoute
     app.state.miles = state
     # Per session, its requests' validated messages (so a resent history is not validated again);
     # dropped with the session.
