@@ -187,7 +187,7 @@ class AgentResult:
 
     ``reward``, when set, is the trajectory's reward (the ``agent`` reward reads it).
     ``metadata`` is merged into each sample's metadata. ``failure`` marks the episode failed
-    (no reward, not trained on).
+    (it is not rewarded and counts as reward 0 in its group, as a sample whose reward raised does).
     """
 
     reward: float | None = None

@@ -8,9 +8,10 @@ samples: one for a linear session, one per selected leaf for a branching one. Th
 not the agent, decided every token, so the samples hold exactly what the policy sampled.
 
 An agent that raises, or runs past ``agentic.agent_timeout_s`` (it is then cancelled), fails
-its trajectory (no reward, the reason in the sample's metadata); the run goes on. What the agent returns (:class:`~miles.interfaces.AgentResult`, a dict
-with the same keys, or None) is merged into each sample's metadata; its ``reward`` is kept
-as ``metadata["agent_reward"]`` for the ``agent`` reward.
+its trajectory (not rewarded, the reason in the sample's metadata); the run goes on. What the
+agent returns (:class:`~miles.interfaces.AgentResult`, a dict with the same keys, or None) is
+merged into each sample's metadata; its ``reward`` is kept as ``metadata["agent_reward"]``
+for the ``agent`` reward.
 """
 
 from __future__ import annotations
