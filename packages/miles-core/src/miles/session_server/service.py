@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from miles.session_server.app import ServerState, SessionUsage
 from miles.sessions import Session
@@ -55,12 +54,3 @@ def session_service(state: ServerState, host: str = "127.0.0.1", port: int = 0) 
 
     with serve(state, host=host, port=port) as url:
         yield SessionService(url=url, state=state)
-
-
-def agent_request_defaults(sampling: Any) -> dict[str, Any]:
-    """The recipe's sampling as chat-completion arguments an agent passes on (OpenAI names)."""
-    return {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "max_tokens": sampling.max_new_tokens,
-    }

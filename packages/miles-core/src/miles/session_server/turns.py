@@ -71,7 +71,7 @@ async def complete_turn(
             prefix: list[int] = []
             suffix = family.render_ids(tokenizer, messages, tool_list, add_generation_prompt=True)
         else:
-            prefix = list(plan.prefix_ids)
+            prefix = plan.prefix_ids  # a fresh list: the checkpoint's prompt and output ids
             suffix = family.suffix_ids(
                 tokenizer,
                 [m.to_openai() for m in plan.new_messages],

@@ -333,8 +333,9 @@ class LinearSession(Session):
         self._chain: list[Checkpoint] = []
         self._path: list[Message] = []  # recorded messages of the chain, kept in step with it
         # The replay cache, in step with _path: at place i, the replay key of the form in which
-        # the matcher last accepted a resent _path[i], and that form parsed; while there is none,
-        # _UNSEEN and the recorded message (a placeholder no request can reach).
+        # the matcher last accepted a resent _path[i], and that form parsed. Until the agent has
+        # resent _path[i] in an accepted form, the key is _UNSEEN (no request message equals it)
+        # and the parse slot holds the recorded message itself.
         self._keys: list[Any] = []
         self._replayed: list[Message] = []
         self._known = 0  # _keys[:_known] holds no _UNSEEN

@@ -25,8 +25,7 @@ from miles.builtins.rewards.agent import AGENT_REWARD
 from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import AgentResult, AgentTask, RolloutContext
-from miles.session_server.service import agent_request_defaults
-from miles.types import Sample
+from miles.types import Sample, SamplingParams
 
 log = logging.getLogger("miles.rollout")
 
@@ -41,7 +40,7 @@ async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
         base_url=base_url,
         messages=prompt_messages(sample.prompt),
         tools=agentic.toolset.specs() if agentic.toolset is not None else None,
-        request=agent_request_defaults(ctx.sampling),
+        request=_request_defaults(ctx.sampling),
         label=sample.prompt.label,
         metadata=dict(sample.prompt.metadata),
         toolset=agentic.toolset,
@@ -74,6 +73,15 @@ async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
         failure=failure,
         metadata=metadata,
     )
+
+
+def _request_defaults(sampling: SamplingParams) -> dict[str, Any]:
+    """The recipe's sampling as chat-completion arguments (OpenAI names) the agent passes on."""
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_new_tokens,
+    }
 
 
 def as_agent_result(value: Any) -> AgentResult:
