@@ -7,7 +7,7 @@ Torch appears only in annotations, so importing this module stays cheap.
 
 Data flow (DESIGN.md §4)::
 
-    DataSource -> RolloutFn -> GenerateFn -> EngineClient -> engines
+    DataSource -> RolloutFn -> GenerateFn [-> AgentFn -> session server] -> Router -> EngineClient -> engines
          ^            | groups
          | retry      v
          +------- Buffer (put / take / metrics)
