@@ -242,7 +242,18 @@ def main() -> None:
     parser.add_argument("--mode", choices=["linear", "branching"], default="linear")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument(
+        "--stdlib-json",
+        action="store_true",
+        help="decode request bodies with json.loads instead of orjson (the A/B baseline of the route's decoder)",
+    )
     args = parser.parse_args()
+    if args.stdlib_json:
+        from fastapi.routing import APIRoute
+
+        from miles.session_server import app as server_app
+
+        server_app._OrjsonRoute.get_route_handler = APIRoute.get_route_handler  # FastAPI's own decoding
     global clock
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     family = get_family(args.family)
@@ -274,6 +285,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     name = "session_turn_cost" if args.mode == "linear" else f"session_turn_cost_{args.mode}"
+    name += "_stdlib_json" if args.stdlib_json else ""
     with open(os.path.join(args.out, f"{name}_{stamp}.json"), "w") as f:
         json.dump(
             {
