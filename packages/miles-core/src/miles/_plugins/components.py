@@ -13,6 +13,8 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
+import sys
 from typing import Any
 
 from stevedore import DriverManager
@@ -194,7 +196,27 @@ def _split_import_path(kind: str, ref: str) -> tuple[str, str]:
     return module_name, attr
 
 
+def cwd_importable() -> None:
+    """Make modules in the current directory importable by import path, as the docs promise.
+
+    ``python -m miles`` puts the cwd on ``sys.path`` but the ``miles`` console script (and
+    ``uv run miles``) does not. The cwd is *appended*, not inserted first: an installed
+    package always wins over a same-named file that happens to lie in the cwd, so resolving
+    one import path never changes which module another import finds. It stays on
+    ``sys.path`` for the rest of the process on purpose: trainer ranks started with
+    ``spawn``/``forkserver`` receive the parent's ``sys.path`` (and Ray actors are handed
+    it), so they re-resolve the same ``mymod:attr`` from the same directory.
+    """
+    cwd = os.path.abspath(os.getcwd())
+    for entry in sys.path:
+        if os.path.abspath(entry or os.curdir) == cwd:  # "" means the cwd too
+            return
+    sys.path.append(cwd)
+    importlib.invalidate_caches()
+
+
 def _find_module(kind: str, ref: str, module_name: str) -> None:
+    cwd_importable()
     try:
         spec = importlib.util.find_spec(module_name)
     except ModuleNotFoundError as err:
@@ -205,7 +227,10 @@ def _find_module(kind: str, ref: str, module_name: str) -> None:
             f"{type(err).__name__}: {err}"
         ) from err
     if spec is None:
-        raise ComponentError(f"{kind} {ref!r}: cannot find module {module_name!r}")
+        raise ComponentError(
+            f"{kind} {ref!r}: cannot find module {module_name!r} (searched the installed packages "
+            f"and the current directory {os.getcwd()})"
+        )
 
 
 def _import_path(kind: str, ref: str) -> Any:
