@@ -40,7 +40,9 @@ def rollout_engines(
             "dtype": eng.dtype or config.model.dtype,
             "max_batch_size": eng.max_batch_size,
             "startup_timeout_s": eng.startup_timeout_s,
-            "seed": config.run.seed,  # reproducible sampling unless engine.options overrides it
+            # Reproducible sampling unless engine.options overrides it (null: no seed). A running
+            # server's seed was fixed when it started, so only engines this run starts get it.
+            **({} if eng.urls else {"seed": config.run.seed}),
             **eng.options,
         }
         if config.transport == "disk-delta":

@@ -60,6 +60,7 @@ SGLANG_OPTIONS = {
     "enable_return_routed_experts",
     "handoff_dir",
     "torch_threads",
+    "seed",
 }
 
 
@@ -144,6 +145,14 @@ class _ProcessLauncher(abc.ABC):
 
     # Attaching to running servers only health-checks them; it never needs the full start-up time.
     attach_timeout_cap_s: float | None = None
+    # Options that only configure an engine process this launcher starts. A server that is
+    # attached to was configured when it started, so a value for one of these is refused there
+    # rather than silently ignored. The options the driver fills in for every engine (device,
+    # dtype, max_batch_size, startup_timeout_s, delta_root) and the built-in recipes' torch_threads
+    # are not listed: they describe the run, not a request to the server.
+    launch_only_options: frozenset[str] = frozenset({"seed", "env"})
+    # How to set those options on a server started by hand (for the refusal message).
+    launch_flags_hint = "start it with the matching flags"
 
     def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
         """Attach when every spec carries a ``url`` option, else start one process per spec."""
@@ -152,6 +161,7 @@ class _ProcessLauncher(abc.ABC):
             return []
         timeout = float(specs[0].options.get("startup_timeout_s") or self.startup_timeout_s)
         if all("url" in s.options for s in specs):
+            self._check_attach_options(specs)
             cap = self.attach_timeout_cap_s
             return _attach(specs, timeout if cap is None else min(timeout, cap))
         if any("url" in s.options for s in specs):
@@ -173,6 +183,17 @@ class _ProcessLauncher(abc.ABC):
             if unknown:
                 raise ConfigError(
                     f"{self.name} engine {i}: unknown option(s) {unknown}; allowed: {sorted(allowed)}"
+                )
+
+    def _check_attach_options(self, specs: Sequence[EngineSpec]) -> None:
+        # None means "not set" (e.g. `engine.options.seed: null`), so only real values are refused.
+        for i, spec in enumerate(specs):
+            given = sorted(k for k in self.launch_only_options if spec.options.get(k) is not None)
+            if given:
+                raise ConfigError(
+                    f"{self.name} engine {i} attaches to the running server at {spec.options['url']}, which "
+                    f"cannot take option(s) {given}: they configure a server this launcher starts; "
+                    f"{self.launch_flags_hint}, or set them to null in engine.options"
                 )
 
     def _ports(self, specs: Sequence[EngineSpec]) -> list[int]:
@@ -296,6 +317,10 @@ class EmbeddedLauncher(_ProcessLauncher):
     """
 
     name = "embedded"
+    launch_only_options = frozenset(
+        {"seed", "env", "weight_version", "prefix_cache_tokens", "update_timeout_s", "log_level"}
+    )
+    launch_flags_hint = "start it with the matching `python -m miles.engines.embedded` flags (seed: --seed)"
 
     def _allowed_options(self) -> set[str]:
         return EMBEDDED_OPTIONS
@@ -380,6 +405,8 @@ def sglang_command(python: str, spec: EngineSpec, port: int) -> list[str]:
         argv += ["--mem-fraction-static", str(o["mem_fraction_static"])]
     if o.get("enable_return_routed_experts"):
         argv += ["--enable-return-routed-experts"]
+    if o.get("seed") is not None:  # SGLang's sampling seed flag; 0 is a seed, None is none
+        argv += ["--random-seed", str(o["seed"])]
     argv += [str(a) for a in o.get("extra_args") or []]
     return argv
 
@@ -388,13 +415,18 @@ class SGLangLauncher(_ProcessLauncher):
     """Attaches to SGLang servers (spec option ``url``) or launches them if ``sglang`` is installed.
 
     Options used when launching: ``dtype``, ``tp_size``, ``mem_fraction_static``,
-    ``enable_return_routed_experts``, ``extra_args`` (more ``launch_server`` flags),
-    ``env`` and ``startup_timeout_s``. ``device``, ``max_batch_size``,
+    ``enable_return_routed_experts``, ``seed`` (``--random-seed``), ``extra_args`` (more
+    ``launch_server`` flags), ``env`` and ``startup_timeout_s``. An attached server refuses the
+    options that only a launch can apply (``launch_only_options``). ``device``, ``max_batch_size``,
     ``handoff_dir`` and ``torch_threads`` belong to the embedded engine and are ignored.
     """
 
     name = "sglang"
     attach_timeout_cap_s = 60.0
+    launch_only_options = frozenset(
+        {"seed", "env", "tp_size", "mem_fraction_static", "enable_return_routed_experts", "extra_args"}
+    )
+    launch_flags_hint = "start it with the matching `sglang.launch_server` flags (seed: --random-seed)"
 
     def __init__(self, *, startup_timeout_s: float = 900.0, python: str | None = None) -> None:
         super().__init__(startup_timeout_s=startup_timeout_s, python=python)

@@ -22,14 +22,15 @@ def fleet_specs(config: MilesConfig, model_path: str) -> list[EngineSpec]:
     eng, ev = config.engine, config.eval
     if ev is None:
         raise ValueError("the recipe has no eval section")
+    explicit = {**eng.options, **ev.engine_options}
     options: dict[str, Any] = {
         "device": eng.device,
         "dtype": eng.dtype or config.model.dtype,
         "max_batch_size": eng.max_batch_size,
         "startup_timeout_s": eng.startup_timeout_s,
-        "seed": config.run.seed,
-        **eng.options,
-        **ev.engine_options,
+        # A running server's seed was fixed when it started: only a fleet this run starts gets it.
+        **({} if "url" in explicit else {"seed": config.run.seed}),
+        **explicit,
     }
     return [
         EngineSpec(model_path=model_path, host=eng.host, options=dict(options)) for _ in range(ev.num_engines)
