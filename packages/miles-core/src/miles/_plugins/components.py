@@ -21,7 +21,7 @@ from stevedore import DriverManager
 from stevedore.exception import NoMatches
 from stevedore.extension import Extension
 
-from miles._plugins import discovery
+from miles._plugins import discovery, hints
 from miles._plugins.discovery import did_you_mean, group_for
 from miles.errors import ComponentError, MilesError
 
@@ -142,6 +142,9 @@ def _unknown_name_message(kind: str, group: str, name: str) -> str:
             f"{kind} {name!r} is not an installed name, and import paths need a colon between the module "
             f"and the attribute: write {_colon_hint(name)!r}"
         )
+    hint = hints.component_hint(kind, name)
+    if hint is not None:  # a built-in name whose distribution is not installed (a bare miles-core)
+        return hint
     installed = discovery.names(group)
     return (
         f"no {kind} named {name!r}{did_you_mean(name, installed) or '.'} "
@@ -179,9 +182,11 @@ def _load_driver(kind: str, group: str, name: str, entries: list[discovery.Entry
 def _import_failure(
     kind: str, name: str, entry: discovery.EntryPointInfo, err: BaseException
 ) -> ComponentError:
+    missing = hints.missing_library(err)
     return ComponentError(
         f"{kind} {name!r} from {entry.dist_label} failed to import "
         f"(entry point {entry.group}: {entry.name} = {entry.value}): {type(err).__name__}: {err}"
+        + (f"; {missing}" if missing else "")
     )
 
 
@@ -239,8 +244,10 @@ def _import_path(kind: str, ref: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as err:
+        missing = hints.missing_library(err)
         raise ComponentError(
             f"{kind} {ref!r}: importing module {module_name!r} failed: {type(err).__name__}: {err}"
+            + (f"; {missing}" if missing else "")
         ) from err
     owner = module_name
     for part in attr_path.split("."):

@@ -88,7 +88,8 @@ class LazyGroup(click.Group):
 
 
 class MilesGroup(LazyGroup):
-    """Turns ``MilesError`` into click's one-line ``Error: ...`` (unless ``-v``)."""
+    """Turns ``MilesError`` into click's one-line ``Error: ...`` (unless ``-v``), and so does a
+    missing optional library (torch, transformers, ...), with the extra that installs it."""
 
     def invoke(self, ctx: click.Context) -> Any:
         from miles.errors import MilesError
@@ -99,6 +100,13 @@ class MilesGroup(LazyGroup):
             if is_verbose(ctx):
                 raise
             raise click.ClickException(str(err)) from err
+        except ImportError as err:
+            from miles._plugins.hints import missing_library
+
+            message = missing_library(err)
+            if message is None or is_verbose(ctx):  # an unknown module is a bug: keep its traceback
+                raise
+            raise click.ClickException(f"{message} (-v shows where it was imported)") from err
 
 
 @click.group(

@@ -44,6 +44,12 @@ def _describe(error: Any, root: type[BaseModel], locate: Locate) -> str:
         fields = _public_fields(owner) if owner is not None else []
         close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
         section = f"in {prefix}" if prefix else "at the top level"
+        if not prefix:
+            from miles._plugins.hints import section_hint
+
+            hint = section_hint(name)
+            if hint is not None:  # a plugin's section, and that plugin is not installed
+                return f"key {key!r}{at} {hint}"
         if close:
             guess = f"{prefix}.{close[0]}" if prefix else close[0]
             return f"unknown key {key!r}{at}; did you mean {guess!r}?"
