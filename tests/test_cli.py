@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from miles.cli import LAZY_COMMANDS, cli
@@ -159,12 +160,60 @@ def test_config_show_prints_the_resolved_recipe() -> None:
     assert result.stdout.startswith(f"recipe: {Path(TINY).resolve()}\n")
 
 
-def test_config_validate_ok(tmp_path: Path) -> None:
+def test_config_validate_ok(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every key by import path is found without --check (the empty classes above are not real
+    # components: --check builds them, and `miles run` would refuse them).
     (tmp_path / "cli_components.py").write_text(COMPONENTS)
     args = [arg for override in ALL_BY_PATH for arg in ("--set", override)]
-    result = _miles("config", "validate", TINY, *args, "--check", env=_private_cache(tmp_path))
+    result = _miles("config", "validate", TINY, *args, env=_private_cache(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"ok: {TINY}\n"
+    (tmp_path / "cli_reward.py").write_text("def score(sample):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)  # import paths resolve from the cwd, which is then put on sys.path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    result = _invoke("config", "validate", TINY, "--check", "--set", "rollout.reward=cli_reward:score")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"ok: {TINY}\n"
+
+
+def _bad_data(tmp_path: Path) -> str:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": oops}\n')
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (lambda tmp: f"data.path={tmp / 'missing.jsonl'}", "data file '{tmp}/missing.jsonl' does not exist"),
+        (lambda tmp: f"data.path={_bad_data(tmp)}", "data file '{tmp}/bad.jsonl', line 2: invalid JSON"),
+        (lambda tmp: "rollout.reward=math:pi", "reward 'math:pi' must be callable, got float"),
+        (lambda tmp: "algorithm.loss=builtins:print", "loss 'builtins:print' takes (*args"),
+    ],
+    ids=["missing-data-file", "bad-data-line", "non-callable-reward", "loss-of-the-wrong-shape"],
+)
+def test_config_validate_check_refuses_what_run_refuses(tmp_path: Path, override, expected: str) -> None:
+    """`validate --check` runs `miles run`'s own pre-flight (miles.driver.preflight)."""
+    result = _invoke("config", "validate", TINY, "--check", "--set", override(tmp_path))
+    assert result.exit_code == 1, result.output
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and errors[0].startswith("Error: "), result.stderr
+    assert expected.format(tmp=tmp_path) in errors[0]
+
+
+def test_config_validate_check_refuses_an_engine_port_in_use() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _invoke("config", "validate", TINY, "--check", "--set", f"engine.port={port}")
+    assert result.exit_code == 1, result.output
+    assert _error_lines(result.stderr) == [
+        f"Error: engine.port: engine 0 would listen on 127.0.0.1:{port}, which is already in use; "
+        "choose another engine.port or leave it unset to pick free ports"
+    ]
 
 
 def test_config_schema_is_json_with_plugin_sections() -> None:
@@ -194,6 +243,30 @@ def test_plugins_json_and_table() -> None:
     assert table.exit_code == 0
     assert "miles-example-plugin" in table.stdout and "reward:length_penalty" in table.stdout
     assert "miles_nonexistent_dependency" in table.stdout.replace("\n", "").replace(" ", "")
+
+
+def test_plugins_lists_a_component_that_cannot_import_as_broken(tmp_path: Path) -> None:
+    """Hooks that load are not enough: a reward whose module fails to import makes the plugin broken."""
+    (tmp_path / "cli_bad_reward.py").write_text("import cli_missing_dependency\n")
+    (tmp_path / "cli_fine_hooks.py").write_text("")
+    info = tmp_path / "miles_cli_half_broken-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: miles-cli-half-broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[miles.plugins]\nhalf = cli_fine_hooks\n\n[miles.rewards]\nhalf_reward = cli_bad_reward:score\n"
+    )
+    result = _miles("plugins", env={**_private_cache(tmp_path), "COLUMNS": "400"})  # one line per row
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("miles-cli-half-broken"))
+    assert row.split()[:3] == ["miles-cli-half-broken", "1.0", "hooks:half"]
+    assert row.rstrip().endswith(
+        "broken: reward 'half_reward' failed to import: ModuleNotFoundError: No module named 'cli_missing_dependency'"
+    )
+    assert "distributions have problems" in result.stderr  # the listing warns, not only marks
+    quick = _miles("plugins", "--json", "--no-check", env=_private_cache(tmp_path))
+    rows = {row["distribution"]: row for row in json.loads(quick.stdout)}
+    assert rows["miles-cli-half-broken"]["status"] == "components not checked"
+    assert rows["miles-example-plugin"]["status"] == "components not checked"
 
 
 def test_recipes_lists_builtin_and_path_recipes() -> None:

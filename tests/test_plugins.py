@@ -351,31 +351,70 @@ def test_list_plugins_rows() -> None:
     assert example.provides == ["hooks:example", "loss:reinforce", "reward:length_penalty"]
     broken = rows["miles-broken-plugin"]
     assert broken.status == (
-        "broken: hooks 'broken' failed to import: ModuleNotFoundError: No module named 'miles_nonexistent_dependency'"
+        "broken: hooks 'broken' failed to import: ModuleNotFoundError: No module named 'miles_nonexistent_dependency'; "
+        "reward 'broken_reward' failed to import: ModuleNotFoundError: No module named 'miles_nonexistent_dependency'"
     )
     assert "reward:broken_reward" in broken.provides
     assert "hooks:builtins" in rows["miles-core"].provides
 
 
-def test_list_plugins_check_imports_components(fake_site: FakeSite) -> None:
+def test_list_plugins_imports_components_by_default(fake_site: FakeSite) -> None:
+    """A plugin whose hooks load but whose reward cannot import is broken, not 'active'."""
     fake_site.module("fake_ok_reward", REWARD_SOURCE)
+    fake_site.module("fake_ok_hooks", "")
+    fake_site.module("fake_bad_reward", "import fake_missing_dependency\n" + REWARD_SOURCE)
     fake_site.dist("miles-fake-ok", "1.0", {"miles.rewards": {"fine": "fake_ok_reward:score"}})
-    fake_site.dist("miles-fake-gone", "1.0", {"miles.rewards": {"gone": "fake_missing_module:score"}})
-    rows = {row.distribution: row for row in list_plugins(disabled=_hook_names())}
-    assert rows["miles-fake-gone"].status == "active"  # components are not imported without check
-    assert not fake_site.imported("fake_ok_reward")
-    rows = {row.distribution: row for row in list_plugins(check=True, disabled=_hook_names())}
-    assert rows["miles-fake-ok"].status == "active"
-    assert rows["miles-fake-gone"].status == (
-        "broken: reward 'gone' failed to import: ModuleNotFoundError: No module named 'fake_missing_module'"
+    fake_site.dist(
+        "miles-fake-gone",
+        "1.0",
+        {"miles.plugins": {"gonehooks": "fake_ok_hooks"}, "miles.rewards": {"gone": "fake_bad_reward:score"}},
     )
+    rows = {row.distribution: row for row in list_plugins(disabled=_hook_names() - {"gonehooks"})}
+    assert rows["miles-fake-ok"].status == "active"
+    assert fake_site.imported("fake_ok_reward")
+    assert rows["miles-fake-gone"].status == (
+        "broken: reward 'gone' failed to import: ModuleNotFoundError: No module named 'fake_missing_dependency'"
+    )
+    assert not rows["miles-fake-gone"].ok
     assert "reward 'broken_reward' failed to import" in rows["miles-broken-plugin"].status
+
+
+def test_list_plugins_without_check_says_what_it_did_not_import(fake_site: FakeSite) -> None:
+    fake_site.module("fake_bad_reward", "import fake_missing_dependency\n")
+    fake_site.dist("miles-fake-gone", "1.0", {"miles.rewards": {"gone": "fake_bad_reward:score"}})
+    rows = {row.distribution: row for row in list_plugins(check=False, disabled=_hook_names())}
+    assert rows["miles-fake-gone"].status == "components not checked"
+    assert not fake_site.imported("fake_bad_reward")
 
 
 def test_list_plugins_marks_disabled_hooks() -> None:
     rows = {row.distribution: row for row in list_plugins(disabled={"broken"})}
     assert rows["miles-broken-plugin"].provides == ["hooks:broken (disabled)", "reward:broken_reward"]
-    assert rows["miles-broken-plugin"].status == "active"
+    assert rows["miles-broken-plugin"].status.startswith("broken: reward 'broken_reward' failed to import")
+    rows = {row.distribution: row for row in list_plugins(check=False, disabled={"broken"})}
+    assert rows["miles-broken-plugin"].status == "components not checked"
+
+
+# --------------------------------------------------------------- signatures of callables
+
+
+@pytest.mark.parametrize(
+    ("kind", "ref", "expected"),
+    [
+        ("loss", "builtins:print", "flush=False) and declares no parameter for inputs; a loss is called as loss(inputs)"),
+        ("reward", "math:pi", "reward 'math:pi' must be callable, got float"),
+        ("correction", "os.path:exists", "takes (path), but a correction is called as "
+         "correction(old_logprobs, rollout_logprobs, loss_mask)"),
+        ("reward_postprocess", "os.path:exists", "reward_postprocess 'os.path:exists' takes (path), but a "
+         "reward_postprocess is called as reward_postprocess(sample, reward)"),
+        ("filter", "operator:add", "filter 'operator:add' takes (a, b, /), but a filter is called as filter(group)"),
+    ],
+)  # fmt: skip
+def test_make_component_refuses_a_callable_of_the_wrong_shape(kind: str, ref: str, expected: str) -> None:
+    with pytest.raises(ComponentError) as info:
+        make_component(kind, ref)
+    assert str(info.value).startswith(f"{kind} {ref!r} ")
+    assert expected in str(info.value), str(info.value)
 
 
 # ------------------------------------------------------------------ validate_component_ref

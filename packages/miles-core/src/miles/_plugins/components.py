@@ -287,11 +287,13 @@ def _check_protocol(kind: str, ref: str, obj: Any) -> None:
     if protocol_name is None:
         if not callable(obj):
             raise ComponentError(f"{kind} {ref!r} must be callable, got {type(obj).__name__}")
+        _check_call_signature(kind, ref, obj)
         return
     import miles.interfaces as interfaces  # plain dataclasses and Protocols: cheap
 
     protocol = getattr(interfaces, protocol_name)
     if isinstance(obj, protocol):
+        _check_call_signature(kind, ref, obj)
         return
     members = _protocol_members(protocol)
     missing = [m for m in members if not hasattr(obj, m)]
@@ -299,6 +301,44 @@ def _check_protocol(kind: str, ref: str, obj: Any) -> None:
         f"{kind} {ref!r} ({type(obj).__module__}.{type(obj).__qualname__}) does not implement "
         f"miles.interfaces.{protocol_name}: missing {', '.join(missing) or 'members'}"
     )
+
+
+# The positional arguments the loop calls each callable kind with. A runtime-checkable
+# Protocol only checks that ``__call__`` exists, so ``builtins:print`` would pass as a loss.
+_CALLED_WITH: dict[str, tuple[str, ...]] = {
+    "loss": ("inputs",),
+    "advantage": ("groups",),
+    "correction": ("old_logprobs", "rollout_logprobs", "loss_mask"),
+    "reward": ("sample",),
+    "reward_postprocess": ("sample", "reward"),
+    "filter": ("group",),
+}
+
+
+def _check_call_signature(kind: str, ref: str, obj: Any) -> None:
+    """Refuse a callable that cannot be called the way the loop calls a ``kind``: before the run, not mid-step."""
+    args = _CALLED_WITH.get(kind)
+    if args is None:
+        return
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # some C callables have no signature: nothing to check
+        return
+    call = f"{kind}({', '.join(args)})"
+    params = list(signature.parameters.values())
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not named and any(p.kind is p.VAR_POSITIONAL for p in params):
+        # Only ``*args`` (``print``): it accepts anything, so nothing says it is a {kind}.
+        raise ComponentError(
+            f"{kind} {ref!r} takes {signature} and declares no parameter for {', '.join(args)}; "
+            f"a {kind} is called as {call}"
+        )
+    try:
+        signature.bind(*args)
+    except TypeError as err:
+        raise ComponentError(
+            f"{kind} {ref!r} takes {signature}, but a {kind} is called as {call}: {err}"
+        ) from None
 
 
 def _protocol_members(protocol: type) -> list[str]:

@@ -2,8 +2,11 @@
 
 Hook modules are imported (they are meant to be light) and validated against the
 hookspecs, each in a scratch manager. Driver entry points (backends, losses, ...) are
-only imported with ``check=True``: they may pull in torch, and a broken one fails
-loudly anyway when a run selects it.
+imported too by default: a listing that calls a plugin ``active`` must have seen it
+load, and a reward whose module cannot import is exactly what a user runs
+``miles plugins`` to find. That costs a few seconds (backends import torch);
+``check=False`` (``miles plugins --no-check``) lists from metadata and hook modules only,
+and says ``components not checked`` instead of ``active`` for what it did not import.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import pluggy
 from stevedore import NamedExtensionManager
 
-from miles._plugins import discovery
+from miles._plugins import discovery, hints
 from miles._plugins.components import error_on_conflict
 from miles._plugins.manager import MilesPluginManager, disabled_from_env
 
@@ -28,7 +31,9 @@ class PluginInfo:
     distribution: str
     version: str
     provides: list[str]  # ``kind:name`` (``reward:length_penalty``), hook plugins as ``hooks:name``
-    status: str  # ``active``, or ``broken: <reason>[; <reason>...]``
+    status: (
+        str  # ``active``, ``components not checked`` (check=False), or ``broken: <reason>[; <reason>...]``
+    )
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -39,10 +44,11 @@ class PluginInfo:
         return asdict(self)
 
 
-def list_plugins(*, check: bool = False, disabled: set[str] | None = None) -> list[PluginInfo]:
+def list_plugins(*, check: bool = True, disabled: set[str] | None = None) -> list[PluginInfo]:
     """Every distribution with ``miles.*`` entry points, with what it provides and its status.
 
-    ``check=True`` also imports every driver entry point and reports those that fail.
+    ``check`` imports every driver entry point and reports those that fail; without it
+    only hook modules are imported.
     """
     blocked = disabled_from_env() if disabled is None else disabled
     entries = discovery.all_entry_points()
@@ -70,7 +76,11 @@ def list_plugins(*, check: bool = False, disabled: set[str] | None = None) -> li
                 label += " (disabled)"
             labels.append(label)
         found = problems.get((dist, version), [])
-        status = "active" if not found else "broken: " + "; ".join(found)
+        unchecked = not check and any(e.group != discovery.HOOKS_GROUP for e in provided)
+        if found:
+            status = "broken: " + "; ".join(found)
+        else:
+            status = "components not checked" if unchecked else "active"
         rows.append(PluginInfo(dist, version, labels, status, list(found)))
     return rows
 
@@ -125,7 +135,12 @@ def _check_drivers(group: str, declared: list[discovery.EntryPointInfo], report:
 
     def on_failure(_manager: Any, ep: importlib.metadata.EntryPoint, err: BaseException) -> None:
         entry = by_key.get((ep.name, ep.value)) or discovery.info_for(ep)
-        report(entry, f"{entry.kind} {ep.name!r} failed to import: {type(err).__name__}: {err}")
+        missing = hints.missing_library(err)
+        report(
+            entry,
+            f"{entry.kind} {ep.name!r} failed to import: {type(err).__name__}: {err}"
+            + (f"; {missing}" if missing else ""),
+        )
 
     NamedExtensionManager(
         group,

@@ -31,26 +31,29 @@ def show(recipe: str, overrides: tuple[str, ...]) -> None:
 @click.option(
     "--check",
     is_flag=True,
-    help="Also import every selected component and resolve the objective (may import torch).",
+    help="Also run the pre-flight checks of `miles run`: build every component, read the data, "
+    "probe engine ports (may import torch).",
 )
 @verbose_option
 def validate(recipe: str, overrides: tuple[str, ...], check: bool) -> None:
     """Check RECIPE and the components it names; print `ok: RECIPE` or the problems.
 
     Without --check components are found without being imported: names must be
-    installed and import paths' modules must exist. With --check the objective is
-    resolved too (the loss an unset algorithm.loss means, the critic, reference and
-    teacher models and their tokenizers), as `miles run` does before starting anything.
+    installed and import paths' modules must exist. With --check the same pre-flight
+    that `miles run` runs before it writes or starts anything runs here
+    (miles.driver.preflight): plugins check the config, the model is resolved, the data
+    source reads its file, every component is built and type-checked (a reward must be
+    callable as reward(sample), a loss as loss(inputs), ...), the objective is resolved,
+    and a fixed engine.port must be free.
     """
     from miles.config import load_recipe, validate_components
 
     config = load_recipe(recipe, overrides)
     validate_components(config, load=check)
     if check:
-        from miles.driver.objective import resolve_objective
-        from miles.models.registry import resolve_model
+        from miles.driver.preflight import close_components, preflight
 
-        resolve_objective(config, resolve_model(config.model.path))
+        close_components(preflight(config).components)
     click.echo(f"ok: {recipe}")
 
 
