@@ -62,6 +62,8 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(miles: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["XDG_CACHE_HOME"] = str(cwd / "cache")
+    # An empty model cache: a tiny model another test built must not spare the bare install its build.
+    env["MILES_CACHE_DIR"] = str(cwd / "miles-cache")
     return subprocess.run([str(miles), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
