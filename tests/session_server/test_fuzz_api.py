@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the session server's HTTP API from its own OpenAPI schema: no 5xx, ever."""
+"""Property-based fuzzing of the session server's HTTP API from its own OpenAPI schema: no 5xx, ever,
+and every answer is one the schema documents (its status code, and a body of that status's schema)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_no_server_errors_on_any_input(api_schema):
     from hypothesis import given
     from hypothesis import strategies as st
     from schemathesis import GenerationMode
+    from schemathesis.checks import response_schema_conformance, status_code_conformance
 
     operations = [result.ok() for result in api_schema.get_all_operations()]
     chat = next(op for op in operations if op.path.endswith("/chat/completions"))
@@ -44,6 +46,7 @@ def test_no_server_errors_on_any_input(api_schema):
             raise AssertionError(f"{case.method} {case.formatted_path} {case.body!r:.2000}: {exc}") from None
         seen.append((case.formatted_path, response.status_code))
         assert response.status_code < 500, (case.method, case.formatted_path, case.body, response.text[:500])
+        case.validate_response(response, checks=[status_code_conformance, response_schema_conformance])
 
     call()
     chat_codes = {code for path, code in seen if path == "/sessions/fuzz/v1/chat/completions"}

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, HTTPException, Path, Request, Response
+from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
@@ -41,11 +41,13 @@ from miles.session_server.openai_types import (
     ChatCompletion,
     ChatCompletionRequest,
     Choice,
+    ErrorResponse,
     PromptTokensDetails,
     RequestMessages,
     ResponseMessage,
     ToolCall,
     Usage,
+    ValidationErrorResponse,
 )
 from miles.session_server.turns import ContextExhausted, complete_turn
 from miles.sessions import (
@@ -70,6 +72,21 @@ _STATUS = {
     SessionConflict: 409,
 }
 SESSION_ID = Path(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "the turn cannot run (context_length_exceeded)"},
+    404: {"model": ErrorResponse, "description": "unknown session"},
+    409: {"model": ErrorResponse, "description": "the request does not extend the session, or it is full"},
+    410: {"model": ErrorResponse, "description": "the session was deleted while the request was generating"},
+    # Two shapes: FastAPI's for a body that does not match the schema, ours for a message the
+    # server checks itself (bad_message) or the template cannot render (unrenderable).
+    422: {"model": ErrorResponse | ValidationErrorResponse, "description": "malformed request"},
+    502: {"model": ErrorResponse, "description": "the engine failed"},
+}
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route can give, for its OpenAPI schema (clients and fuzzers read it)."""
+    return {code: _ERRORS[code] for code in codes}
 
 
 @dataclass
@@ -183,6 +200,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def session_error(_: Request, exc: SessionError) -> JSONResponse:
         return _error(exc)
 
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        # Only a turn reaches an engine; the agent's request was fine, the engine behind it was not.
+        return JSONResponse(
+            status_code=502, content={"error": {"message": f"engine: {exc}", "type": "engine_error"}}
+        )
+
     @app.exception_handler(FamilyError)
     async def family_error(_: Request, exc: FamilyError) -> JSONResponse:
         # Raised while rendering the request's messages: the template cannot express them.
@@ -192,25 +216,29 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/sessions", status_code=201)
+    @app.post("/sessions", status_code=201, responses=_responses(409))
     async def create_session(request: Request) -> dict[str, Any]:
         session = state.store.create()
         engine = state.place(session.id)
         base = str(request.base_url).rstrip("/")
         return {"id": session.id, "base_url": f"{base}/sessions/{session.id}/v1", "engine": engine}
 
-    @app.get("/sessions/{session_id}")
+    @app.get("/sessions/{session_id}", responses=_responses(404, 422))
     async def get_session(session_id: str = SESSION_ID) -> dict[str, Any]:
         session = state.store.get(session_id)
         return {"id": session.id, **session.stats()}
 
-    @app.delete("/sessions/{session_id}")
+    @app.delete("/sessions/{session_id}", responses=_responses(404, 422))
     async def delete_session(session_id: str = SESSION_ID) -> dict[str, Any]:
         state.store.delete(session_id)
         state.release(session_id)
         return {"id": session_id, "deleted": True}
 
-    @app.post("/sessions/{session_id}/v1/chat/completions", response_model=ChatCompletion)
+    @app.post(
+        "/sessions/{session_id}/v1/chat/completions",
+        response_model=ChatCompletion,
+        responses=_responses(400, 404, 409, 410, 422, 502),
+    )
     async def chat_completions(body: ChatCompletionRequest, session_id: str = SESSION_ID) -> ChatCompletion:
         session = state.store.get(session_id)
         if session not in request_messages:
@@ -219,11 +247,10 @@ def create_app(state: ServerState) -> FastAPI:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
 
         async def generate(input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
-            try:  # the session id is the routing key: every turn goes where its prefix is
-                async with state.router.request(session_id, sticky=True) as route:
-                    return await route.generate(input_ids, sampling)
-            except EngineError as exc:
-                raise HTTPException(status_code=502, detail=f"engine: {exc}") from exc
+            # The session id is the routing key: every turn goes where its prefix is. An
+            # EngineError is answered 502 (``engine_error``).
+            async with state.router.request(session_id, sticky=True) as route:
+                return await route.generate(input_ids, sampling)
 
         try:
             turn = await complete_turn(

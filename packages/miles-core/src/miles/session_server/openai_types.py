@@ -88,6 +88,13 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+# The integers a request may carry. The body decoder turns an integer beyond 64 bits into a float
+# and pydantic takes a float as an int only inside int64, so a wider value would be a 422 that the
+# schema did not announce; 64 bits is also what the engines keep a sampling seed in. The upper
+# bound is exclusive because FastAPI writes schema bounds as floats: 2**63 - 1 would round up to
+# 2**63 there, a value the server refuses; 2**63 and -2**63 are exact.
+INT64_MIN, INT64_END = -(2**63), 2**63
+
 # A request message as the client sent it (a JSON value, not validated with the body). The
 # OpenAPI schema documents it as a ChatMessage; ``RequestMessages.validate`` enforces that.
 RequestMessage = SkipValidation[ChatMessage]
@@ -102,11 +109,13 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Literal["auto", "none"] | None = None
     temperature: float | None = Field(None, gt=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=INT64_END, description="may lower the run's limit")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, lt=INT64_END, description="may lower the run's limit"
+    )
     n: Literal[1] = 1
     stream: Literal[False] = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, lt=INT64_END)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -173,6 +182,34 @@ def _field(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
     return out or "message"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(
+        description="the rule that refused the request, e.g. session_not_found, history_diverged"
+    )
+    message_index: int | None = Field(None, description="the request message at fault, when there is one")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the server answers itself (400, 404, 409, 410, 422, 502)."""
+
+    error: ErrorDetail
+
+
+class ValidationIssue(BaseModel):
+    model_config = ConfigDict(extra="allow")  # FastAPI adds input and ctx where pydantic has them
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorResponse(BaseModel):
+    """FastAPI's 422 body for a request that does not match the schema (before any handler runs)."""
+
+    detail: list[ValidationIssue]
 
 
 class ResponseMessage(BaseModel):
