@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from transports.p2p_support import needs_mooncake
 
 from miles.loop import train
 
@@ -33,10 +34,8 @@ def test_disk_delta_run_with_the_fsdp_backend(small_run) -> None:
     assert versions[-1] == "v000003" and len(versions) <= 3  # older versions are pruned
 
 
+@needs_mooncake
 def test_p2p_run_with_the_fsdp_backend(small_run) -> None:
-    pytest.importorskip(
-        "mooncake.engine", reason="mooncake (miles-transports[p2p]) and libibverbs.so.1 are needed"
-    )
     result = train(
         small_run("transport=p2p", "engine.num_engines=2", "weight_sync.options={bucket_mb: 0.25}")
     )

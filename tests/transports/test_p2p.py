@@ -21,18 +21,7 @@ from miles.engines.client import EngineCall, SyncEngineClient
 from miles.engines.digest import tensor_digest
 from miles.errors import ConfigError, EngineError
 from miles_transports.bucket import MiB, iter_buckets
-
-try:
-    import mooncake.engine  # noqa: F401
-
-    _MOONCAKE_ERROR = ""
-except ImportError as exc:  # not installed, or installed without its system libraries (libibverbs.so.1)
-    _MOONCAKE_ERROR = f"{type(exc).__name__}: {exc}"
-
-needs_mooncake = pytest.mark.skipif(
-    bool(_MOONCAKE_ERROR),
-    reason=f"Mooncake is not importable ({_MOONCAKE_ERROR}); install miles-transports[p2p] to run P2P transfers",
-)
+from transports.p2p_support import needs_mooncake
 
 P2P = "miles_transports.p2p.transport:P2PTransport"
 SMALL_BUCKET_MB = 4096 / MiB  # 4 KiB: many buckets; the 16 KiB embedding is larger than a bucket
