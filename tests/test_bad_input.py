@@ -40,6 +40,25 @@ def test_earlier_results_are_refused_before_any_work(tmp_path):
     run_dir = tmp_path / "runs" / "default"
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run_dir / "miles-run.json").write_text('{"created": "2026-12-01", "status": "completed", "steps_done": 1}')
     with pytest.raises(RunDirError, match="--resume"):
         train(_config(tmp_path, "model.path=/does/not/matter"))
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_overwrite_with_a_dot_run_name_deletes_nothing(tmp_path, monkeypatch):
+    """The reported data loss: --overwrite with run.name=.. once removed the whole project."""
+    from click.testing import CliRunner
+
+    from miles.cli import cli
+
+    project = tmp_path / "proj"
+    (project / "runs").mkdir(parents=True)
+    (project / "train.py").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(
+        cli, ["run", "--overwrite", "--set", "run.name=..", "--set", "run.output_dir=proj/runs"]
+    )
+    assert result.exit_code == 1
+    assert "run.name" in result.output and "Traceback" not in result.output
+    assert (project / "train.py").read_text() == "mine"

@@ -280,11 +280,13 @@ def test_recipes_lists_builtin_and_path_recipes() -> None:
 
 
 def test_run_dry_run_validates_and_prints_without_training(tmp_path: Path) -> None:
-    (tmp_path / "cli_components.py").write_text(COMPONENTS)
+    # --dry-run runs the run's own pre-flight (components are built), so these are real ones.
+    (tmp_path / "cli_reward.py").write_text("def score(sample):\n    return 1.0\n")
+    overrides = ["rollout.reward=cli_reward:score"]
     code = (
         "import sys\n"
         "from miles.cli import main\n"
-        f"sys.argv = ['miles', 'run', {TINY!r}, '--dry-run', *{[a for o in ALL_BY_PATH for a in ('--set', o)]!r}]\n"
+        f"sys.argv = ['miles', 'run', {TINY!r}, '--dry-run', *{[a for o in overrides for a in ('--set', o)]!r}]\n"
         "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
         "print('LOOP IMPORTED' if 'miles.loop' in sys.modules else 'loop not imported', code, file=sys.stderr)\n"
     )
@@ -292,7 +294,7 @@ def test_run_dry_run_validates_and_prints_without_training(tmp_path: Path) -> No
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.stderr.strip().endswith("loop not imported 0"), result.stderr
     assert result.stdout.startswith(f"recipe: {Path(TINY).resolve()}\n")
-    assert "reward: length_penalty" in result.stdout
+    assert "reward: cli_reward:score" in result.stdout
 
 
 def test_run_selecting_a_broken_plugin_fails_before_training() -> None:

@@ -31,3 +31,17 @@ class RunDirError(MilesError):
 
 class ToolError(MilesError):
     """A tool call the model got wrong (unknown tool, bad arguments); the model sees the message."""
+
+
+class RunInterrupted(MilesError):
+    """SIGINT or SIGTERM stopped the run at a safe point (after a step; checkpointed when saving is on)."""
+
+    def __init__(self, message: str, *, signum: int, steps_done: int, checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.steps_done = steps_done
+        self.checkpoint = checkpoint
+
+
+class RunComplete(MilesError):
+    """``--resume`` of a run that already trained every step: nothing was started."""

@@ -127,6 +127,23 @@ def load(directory: str, parts: list[Trainable]) -> dict[str, Any]:
     return state
 
 
+def apply_hyperparameters(
+    part: Trainable, *, lr: float, lr_lambda: Any, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """Set the optimizer hyperparameters a loaded state brought back to the given (current) ones.
+
+    The scheduler keeps its step count; its base learning rate and schedule become ``lr``
+    and ``lr_lambda``, and each parameter group's learning rate is recomputed from them.
+    """
+    scheduler = part.scheduler
+    scheduler.base_lrs = [lr for _ in part.optimizer.param_groups]
+    scheduler.lr_lambdas = [lr_lambda for _ in part.optimizer.param_groups]
+    factor = lr_lambda(max(scheduler.last_epoch, 0))
+    for group in part.optimizer.param_groups:
+        group.update(initial_lr=lr, lr=lr * factor, betas=betas, eps=eps, weight_decay=weight_decay)
+    scheduler._last_lr = [group["lr"] for group in part.optimizer.param_groups]
+
+
 def _scheduler_key(part: Trainable) -> str:
     return "scheduler" if part.name == "model" else f"{part.name}_scheduler"
 

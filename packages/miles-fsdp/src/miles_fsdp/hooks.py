@@ -17,6 +17,9 @@ def miles_config_sections() -> list[ConfigSection]:
             name="fsdp",
             model=FSDPOptions,
             description="FSDP2 training backend: ranks, device, mixed precision, checkpointing",
+            # The checkpoint is a sharding-independent DCP snapshot in the parameters' own dtype, so
+            # every setting here may change when a run resumes.
+            resume_mutable=frozenset(FSDPOptions.model_fields),
         )
     ]
 

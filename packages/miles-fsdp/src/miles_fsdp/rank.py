@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,11 +118,12 @@ class RankTrainer:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=tuple(opts.betas), eps=opts.eps, weight_decay=opts.weight_decay
         )
-        warmup = opts.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_lambda())
         return optimizer, scheduler
+
+    def _lr_lambda(self) -> Callable[[int], float]:
+        warmup = self.train_opts.warmup_steps
+        return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
 
     def _resolve_components(self) -> tuple[Loss, Correction | None, Loss | None, Any]:
         from miles.plugins import get_plugin_manager, make_component
@@ -388,6 +390,13 @@ class RankTrainer:
 
     def load_checkpoint(self, directory: str) -> None:
         checkpoint.load(directory, self.parts)
+        # The optimizer and scheduler states carry the hyperparameters of the run that saved them;
+        # a resumed run trains with the ones its recipe says now.
+        opts = self.train_opts
+        hyper = {"betas": tuple(opts.betas), "eps": opts.eps, "weight_decay": opts.weight_decay}
+        for part in self.parts:
+            lr = opts.lr if part.name == "model" else self.spec.critic.lr  # type: ignore[union-attr]
+            checkpoint.apply_hyperparameters(part, lr=lr, lr_lambda=self._lr_lambda(), **hyper)
 
     def export_hf(self, directory: str) -> None:
         name = self.opts.export_dtype

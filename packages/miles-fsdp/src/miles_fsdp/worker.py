@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -112,6 +113,9 @@ def rank_main(
     rank: int, world_size: int, port: int, conn: Connection, spec: BackendSpec, timeout_s: float
 ) -> None:
     """A local rank process: build, say ready, serve the pipe until shutdown or until the driver goes."""
+    # The terminal's Ctrl-C reaches the whole process group; the driver decides when ranks stop
+    # (it finishes the step first), so a rank must not die of it mid-collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         commands = start_rank(spec, rank, world_size, ("127.0.0.1", port), timeout_s)
         conn.send(("ready", {"pid": os.getpid()}))

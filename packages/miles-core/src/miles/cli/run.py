@@ -35,24 +35,54 @@ def run(recipe: str, overrides: tuple[str, ...], resume: bool, overwrite: bool, 
     # Import every selected component now: a broken plugin fails here, not after engines started.
     validate_components(config, load=True)
     if dry_run:
-        from miles.driver.objective import resolve_objective
-        from miles.models.registry import resolve_model
+        from miles.driver.preflight import close_components, preflight
 
-        resolve_objective(config, resolve_model(config.model.path))
+        close_components(preflight(config).components)  # refuses exactly what a run would refuse
         click.echo(dump_config(config), nl=False)
         return
+    from miles.driver.interrupts import exit_code
+    from miles.errors import RunComplete, RunInterrupted
     from miles.loop import train
 
-    result = train(config, resume=resume, overwrite=overwrite)
+    again = resume_command(recipe, overrides)
+    try:
+        result = train(config, resume=resume, overwrite=overwrite)
+    except RunComplete as done:
+        _console().print(f"[bold green]done[/]: {done}")
+        return
+    except RunInterrupted as stopped:
+        hint = f"; continue with: {again}" if stopped.checkpoint else ""
+        _console().print(f"[bold yellow]interrupted[/]: {stopped}{hint}")
+        raise click.exceptions.Exit(exit_code(stopped.signum)) from None
+    except KeyboardInterrupt as exc:  # a second signal (or one during start-up): stopped at once
+        import signal
+
+        signum = getattr(exc, "signum", signal.SIGINT)
+        _console().print(
+            f"[bold yellow]interrupted[/]: stopped at once by {signal.Signals(signum).name}; every process "
+            f"the run started was stopped. Continue from its last checkpoint with: {again}"
+        )
+        raise click.exceptions.Exit(exit_code(signum)) from None
     _print_summary(result)
+
+
+def resume_command(recipe: str, overrides: tuple[str, ...]) -> str:
+    """The command line that continues this run (same recipe and overrides, plus ``--resume``)."""
+    import shlex
+
+    return shlex.join(["miles", "run", recipe, *(a for o in overrides for a in ("--set", o)), "--resume"])
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True)  # one line each, however narrow the terminal
 
 
 def _print_summary(result) -> None:
     import os
 
-    from rich.console import Console
-
-    console = Console(stderr=True)
+    console = _console()
     console.print(f"[bold green]done[/]: {result.steps_done} steps in {result.seconds:.0f} s")
     console.print(f"  run directory   {result.run_dir}")
     console.print(f"  metrics         {result.metrics_path}")

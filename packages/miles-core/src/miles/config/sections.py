@@ -14,3 +14,6 @@ class ConfigSection:
     name: str
     model: type[BaseModel]
     description: str = ""
+    # Keys of this section (dotted, relative to it) that may change when a run resumes; a
+    # resume that changes any other key is refused (``miles.config.resume``).
+    resume_mutable: frozenset[str] = frozenset()

@@ -7,7 +7,7 @@ from miles.errors import ConfigError
 
 
 class TensorBoardTracker:
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard itself is missing
@@ -16,7 +16,9 @@ class TensorBoardTracker:
                 "install miles-core[tracking] or set tracking.tensorboard=false"
             ) from exc
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=log_dir)
+        # A resumed run redoes the steps after its checkpoint: purge_step tells TensorBoard to drop
+        # the earlier attempt's events from that step on, so no step appears twice.
+        self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
     @hookimpl
     def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:
