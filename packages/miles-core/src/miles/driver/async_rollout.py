@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from miles.errors import MilesError
 from miles.interfaces import Buffer, DataSource, RolloutContext, RolloutFn
 from miles.types import Group, Prompt, Sample
 
@@ -96,6 +97,7 @@ class AsyncRolloutWorker:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_thread, name="miles-rollout-worker", daemon=True)
         self._error: str | None = None
+        self._exc: BaseException | None = None
         self._stopping = False
         self._paused = 0
         self._pause_lock = threading.Lock()
@@ -126,6 +128,8 @@ class AsyncRolloutWorker:
 
     def check(self) -> None:
         """Raise if the worker died (the driver calls it while it waits for a batch)."""
+        if isinstance(self._exc, MilesError):
+            raise self._exc  # one line the user can act on (e.g. the fleet lost its engines)
         if self._error is not None:
             raise RolloutWorkerError(f"the fully asynchronous rollout worker failed:\n{self._error}")
 
@@ -266,6 +270,7 @@ class AsyncRolloutWorker:
         if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
+        self._exc = exc
         self._error = "".join(traceback.format_exception(exc))
         self._stopping = True
         self._wake()
@@ -356,14 +361,15 @@ class AsyncGeneration:
 
     @contextlib.contextmanager
     def weights_changing(self, version: int) -> Iterator[None]:
-        async def each(method: str, *args: Any) -> None:
-            await asyncio.gather(*(getattr(e, method)(*args) for e in self.engines))
+        from miles.engines.health import call_each
 
-        self.loop.run_until_complete(each("pause_generation", self.update_mode))
+        # call_each skips quarantined engines and reports one that does not answer (the fleet
+        # recovers it during the update) instead of failing the pause, or hanging on a stopped one.
+        self.loop.run_until_complete(call_each(self.engines, "pause_generation", self.update_mode))
         try:
             yield
         finally:
-            self.loop.run_until_complete(each("continue_generation"))
+            self.loop.run_until_complete(call_each(self.engines, "continue_generation"))
         self.worker.set_version(version, self.worker.step)
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from miles import hookimpl
@@ -23,9 +23,16 @@ from miles.types import TrainBatch
 
 @contextlib.contextmanager
 def rollout_engines(
-    config: MilesConfig, model_path: str, log_dir: str, work_dir: str
+    config: MilesConfig,
+    model_path: str,
+    log_dir: str,
+    work_dir: str,
+    on_launched: Callable[[EngineLauncher], None] | None = None,
 ) -> Iterator[tuple[list[str], dict[str, Any]]]:
-    """Launch (or attach to) the engines; yields their URLs and the transport options they imply."""
+    """Launch (or attach to) the engines; yields their URLs and the transport options they imply.
+
+    ``on_launched`` gets the launcher once the engines are up (the fleet restarts engines with it).
+    """
     eng = config.engine
     ws = config.weight_sync
     transport_options: dict[str, Any] = {"bucket_mb": ws.bucket_mb, **ws.options}
@@ -84,6 +91,8 @@ def rollout_engines(
             raise EngineError(
                 f"launcher {eng.launcher!r} started {len(urls)} engines, expected {eng.num_engines}"
             )
+        if on_launched is not None:
+            on_launched(launcher)
         yield urls, transport_options
 
 

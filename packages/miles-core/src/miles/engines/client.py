@@ -41,7 +41,8 @@ relied on; they follow SGLang's ``http_server.py`` / ``io_struct.py``:
   actions; ours answers ``checksum`` with ``{name: {dtype, shape, digest}}``.
 
 Any failure becomes one :class:`miles.errors.EngineError` naming the engine URL,
-the endpoint and the server's message.
+the endpoint and the server's message; an engine that does not answer at all raises
+its subclass :class:`EngineUnavailable` (a request there may be retried elsewhere).
 """
 
 from __future__ import annotations
@@ -585,10 +586,21 @@ def _decode(response: httpx.Response, url: str, call: EngineCall) -> Any:
     return _decode_body(response.status_code, response.content, url, call)
 
 
+class EngineUnavailable(EngineError):
+    """The engine did not answer at all (refused, disconnected, timed out), as opposed to answering
+    with an error: the request was not at fault, so it may be retried on another engine."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
 def _transport_error(url: str, call: EngineCall, exc: Exception, timeout: float | None) -> EngineError:
     if isinstance(exc, httpx.TimeoutException | asyncio.TimeoutError):
-        return EngineError(f"engine {url}{call.path}: no answer within {timeout} s")
-    return EngineError(f"engine {url}{call.path}: cannot reach the engine: {exc!r}")
+        return EngineUnavailable(f"engine {url}{call.path}: no answer within {timeout} s", url=url)
+    return EngineUnavailable(
+        f"engine {url}{call.path}: cannot reach the engine (did it die? see its log): {exc!r}", url=url
+    )
 
 
 # Idle connections expire on the client well before the server drops them (the embedded

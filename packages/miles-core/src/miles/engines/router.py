@@ -33,8 +33,15 @@ Engines with several data-parallel ranks are given by ``dp_sizes`` (:func:`engin
 reads them from the engines); a route to one carries ``dp_rank`` (sent to SGLang as
 ``/generate``'s ``data_parallel_rank``). Single-rank engines get ``dp_rank=None`` so that
 nothing extra is sent. The fleet is fixed for the router's
-life: an engine that restarts keeps its index (its cache, and so its sessions' prefixes,
-are gone, but their keys still route to it).
+life: an engine that restarts keeps its index and URL.
+
+Engines the driver supervises (:mod:`miles.engines.health`) may be quarantined: dead, hung,
+or restarting. The router then places nothing there, and a sticky key bound there moves to
+another engine (its cached prefix is lost with the engine). A request whose engine does not
+answer (refused, disconnected, timed out, or cut by the quarantine of a hung engine) is sent
+again, from scratch, to another engine, at most ``max_retries`` times; an error the engine
+answers with (HTTP 4xx/5xx) is the request's own and is never retried. While every engine is
+out, ``request`` waits for one (up to ``wait_s``) or raises the fleet's failure.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from miles.engines.client import EngineUnavailable
+from miles.engines.health import board_for
 from miles.errors import ConfigError, EngineError, MilesError
 
 if TYPE_CHECKING:
@@ -65,19 +74,81 @@ class RoutingKeyMissing(RoutingError):
     """A sticky request came without a routing key (it would lose its session's cached prefix)."""
 
 
-@dataclass(frozen=True)
-class Route:
-    """Where one request goes: ``engines[engine_index]``, at ``dp_rank`` when the engine has several."""
+class NoEngineAvailable(EngineUnavailable):
+    """Every engine of the router is quarantined right now (``request`` waits for one instead)."""
 
-    engine_index: int
-    engine: EngineClient
-    dp_rank: int | None = None
+
+class Route:
+    """Where one request goes: ``engines[engine_index]``, at ``dp_rank`` when the engine has several.
+
+    A route from :meth:`Router.request` over supervised engines (see :mod:`miles.engines.health`)
+    follows its request: when the engine dies or hangs under it, :meth:`generate` moves the route
+    to another engine and sends the request again there.
+    """
+
+    __slots__ = ("_key", "_router", "_sticky", "dp_rank", "engine", "engine_index")
+
+    def __init__(
+        self,
+        engine_index: int,
+        engine: EngineClient,
+        dp_rank: int | None = None,
+        *,
+        router: Router | None = None,
+        key: str | None = None,
+        sticky: bool = False,
+    ) -> None:
+        self.engine_index = engine_index
+        self.engine = engine
+        self.dp_rank = dp_rank
+        self._router = router
+        self._key = key
+        self._sticky = sticky
+
+    def __repr__(self) -> str:
+        return f"Route(engine_index={self.engine_index}, dp_rank={self.dp_rank})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Route):
+            return NotImplemented
+        return (self.engine_index, self.engine, self.dp_rank) == (
+            other.engine_index,
+            other.engine,
+            other.dp_rank,
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # a route can move (see generate)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, **kwargs: Any) -> GenerateOutput:
-        """``engine.generate`` along this route (adds ``data_parallel_rank`` when the route names a rank)."""
-        if self.dp_rank is not None:
-            kwargs["data_parallel_rank"] = self.dp_rank
-        return await self.engine.generate(input_ids, params, **kwargs)
+        """``engine.generate`` along this route (adds ``data_parallel_rank`` when the route names a rank).
+
+        On a supervised engine that does not answer (died, hung, quarantined) the request is sent
+        again from scratch on another engine: nothing of the lost attempt is kept, so every token
+        still comes from one engine call. A sticky session moves with it (its next turns follow;
+        the new engine's prefix cache does not hold the session, so that one turn prefills in full).
+        """
+        attempts = 0
+        while True:
+            call_kwargs = dict(kwargs)
+            if self.dp_rank is not None:
+                call_kwargs["data_parallel_rank"] = self.dp_rank
+            board = board_for(self.engine.url)
+            if board is None or self._router is None:
+                return await self.engine.generate(input_ids, params, **call_kwargs)
+            try:
+                return await board.watched(
+                    self.engine.url, self.engine.generate(input_ids, params, **call_kwargs)
+                )
+            except EngineUnavailable as exc:
+                attempts += 1
+                if attempts > self._router.max_retries:
+                    raise EngineError(
+                        f"request failed on {attempts} engines in turn (engine.max_request_retries "
+                        f"{self._router.max_retries}); last: {exc}"
+                    ) from exc
+                board.report_failure(self.engine.url, exc)
+                board.count_retry()
+                await self._router._move(self)
 
 
 async def engine_dp_sizes(engines: Sequence[SGLangClient]) -> list[int]:
@@ -119,6 +190,8 @@ class Router:
         *,
         dp_sizes: Sequence[int] | None = None,
         policy: Policy = "affinity",
+        max_retries: int = 3,
+        wait_s: float = 600.0,
     ) -> None:
         if not engines:
             raise ConfigError("Router: needs at least one engine")
@@ -136,6 +209,10 @@ class Router:
         self.engines = list(engines)
         self.dp_sizes = [int(s) for s in dp_sizes]
         self.policy: Policy = policy
+        # Supervised engines only (miles.engines.health): how many times one request may move to
+        # another engine, and how long a request may wait while every engine is out.
+        self.max_retries = max_retries
+        self.wait_s = wait_s
         self._ranks = [[_Rank() for _ in range(size)] for size in self.dp_sizes]
         self._bound: dict[str, tuple[int, int]] = {}  # key -> (engine index, rank index)
         self._lock = threading.Lock()
@@ -178,11 +255,29 @@ class Router:
     @contextlib.asynccontextmanager
     async def request(self, key: str | None, *, sticky: bool) -> AsyncIterator[Route]:
         """``async with router.request(key, sticky=True) as route:`` one request, counted until the block exits."""
-        route = self.acquire(key, sticky=sticky)
+        route = await self._acquire_waiting(key, sticky)
         try:
             yield route
         finally:
             self.release(route)
+
+    async def _acquire_waiting(self, key: str | None, sticky: bool) -> Route:
+        """:meth:`acquire`, waiting while every (supervised) engine is quarantined."""
+        while True:
+            try:
+                return self.acquire(key, sticky=sticky)
+            except NoEngineAvailable:
+                boards = {id(b): b for b in (board_for(e.url) for e in self.engines) if b is not None}
+                if not boards:
+                    raise
+                # One fleet supervises a router's engines; its board says when one is back.
+                await next(iter(boards.values())).wait_available(self.wait_s)
+
+    async def _move(self, route: Route) -> None:
+        """Re-place ``route`` (its engine is out): released where it was, acquired afresh, same key."""
+        self.release(route)
+        new = await self._acquire_waiting(route._key, route._sticky)
+        route.engine_index, route.engine, route.dp_rank = new.engine_index, new.engine, new.dp_rank
 
     def forget(self, key: str) -> bool:
         """Unbind ``key`` (its session ended); True if it was bound. Its next request is placed afresh."""
@@ -226,14 +321,23 @@ class Router:
     def _route(self, key: str | None, sticky: bool) -> Route:
         self._check_key(key, sticky)
         if not sticky or self.policy == "load":
-            return self._make_route(*self._least_active())
+            return self._make_route(*self._least_active(), key=key, sticky=sticky)
         assert key is not None  # _check_key
         where = self._bound.get(key)
+        if where is not None and not self._available(where[0]):
+            # Its engine died or hangs: the session moves (its cached prefix is lost with the engine).
+            self._ranks[where[0]][where[1]].keys -= 1
+            del self._bound[key]
+            where = None
         if where is None:
             where = self._least_active()
             self._bound[key] = where
             self._ranks[where[0]][where[1]].keys += 1
-        return self._make_route(*where)
+        return self._make_route(*where, key=key, sticky=sticky)
+
+    def _available(self, engine: int) -> bool:
+        board = board_for(self.engines[engine].url)
+        return board is None or board.is_available(self.engines[engine].url)
 
     @staticmethod
     def _check_key(key: str | None, sticky: bool) -> None:
@@ -257,14 +361,19 @@ class Router:
         def load(slots: Sequence[_Rank]) -> tuple[int, int, int]:
             return (sum(s.active for s in slots), sum(s.keys for s in slots), sum(s.routed for s in slots))
 
-        engine = min(range(len(self._ranks)), key=lambda i: (*load(self._ranks[i]), i))
+        candidates = [i for i in range(len(self._ranks)) if self._available(i)]
+        if not candidates:
+            raise NoEngineAvailable(
+                f"all {len(self.engines)} engines are quarantined (dead, hung or restarting)", url=""
+            )
+        engine = min(candidates, key=lambda i: (*load(self._ranks[i]), i))
         ranks = self._ranks[engine]
         rank = min(range(len(ranks)), key=lambda r: (*load([ranks[r]]), r))
         return engine, rank
 
-    def _make_route(self, engine: int, rank: int) -> Route:
+    def _make_route(self, engine: int, rank: int, *, key: str | None = None, sticky: bool = False) -> Route:
         dp_rank = rank if self.dp_sizes[engine] > 1 else None
-        return Route(engine_index=engine, engine=self.engines[engine], dp_rank=dp_rank)
+        return Route(engine, self.engines[engine], dp_rank, router=self, key=key, sticky=sticky)
 
     def _slot(self, route: Route) -> _Rank:
         index = route.engine_index

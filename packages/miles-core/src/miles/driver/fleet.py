@@ -1,0 +1,485 @@
+"""The supervised fleet of rollout engines: health checks, quarantine, restarts, weight catch-up.
+
+The driver sees two calls: ``with engine_fleet(...) as fleet`` (launch or attach, then
+supervise) and ``fleet.update_weights(backend, version)`` (push new weights and make sure every
+engine serves them, recovering engines that died on the way). Everything else happens here:
+
+- A supervisor thread checks every engine each ``engine.health_check_interval_s``: a process
+  this run launched that has exited is dead; an engine whose ``/health`` does not answer within
+  ``engine.health_timeout_s`` is hung (a SIGSTOPped process still accepts connections). A
+  request that finds its engine unreachable wakes the supervisor at once.
+- A dead or hung engine is quarantined (:mod:`miles.engines.health`): routers stop placing
+  requests there and its requests in flight are cut and sent again, from scratch, to the
+  other engines. It is then restarted (killed first if hung; same command, port and log
+  file), within a budget of ``engine.max_restarts`` restarts for the whole run.
+- A restarted engine holds the base checkpoint (version 0). It rejoins at once when the
+  fleet serves version 0, else at the next weight update, which brings it to that version.
+- A weight update that fails, or leaves an engine at another version, after an engine fault is
+  recovered: the dead engines are restarted, the trainer's weights are exported once as a
+  Hugging Face snapshot, every engine not at the new version loads it
+  (``/update_weights_from_disk``), and the versions are checked again. A failure without an
+  engine fault is not an engine's doing and is raised as it is.
+- The run stops, with one line naming the engine, how it ended and its log, when an engine
+  cannot be restarted (budget spent, a launcher or transport that cannot restart it) and is
+  needed, or when no engine is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from miles.config.schema import RESTARTABLE_TRANSPORTS, MilesConfig
+from miles.driver.services import rollout_engines
+from miles.engines import health
+from miles.engines.client import SyncEngineClient
+from miles.errors import EngineError
+from miles.interfaces import TransportStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FleetSettings:
+    """How the fleet is supervised (from the ``engine`` section; see :func:`settings_from`)."""
+
+    health_check_interval_s: float = 2.0  # 0: no supervision (no health checks, no restarts)
+    health_timeout_s: float = 10.0
+    max_restarts: int = 0
+    restart_timeout_s: float = 180.0
+    # Why engines are not restarted (None: they are, within max_restarts).
+    no_restart_reason: str | None = None
+
+
+def settings_from(config: MilesConfig) -> FleetSettings:
+    """Resolve ``engine.max_restarts: null``: restart where the launcher and transport allow it."""
+    eng = config.engine
+    reason = None
+    if eng.urls:
+        reason = (
+            "the engines were attached to (engine.urls); Miles did not start them and cannot restart them"
+        )
+    elif config.placement.launcher == "ray":
+        reason = "placement.launcher 'ray' does not restart engines yet"
+    elif config.transport not in RESTARTABLE_TRANSPORTS:
+        reason = (
+            f"transport {config.transport!r} keeps per-engine state (a weight group, a peer registration) "
+            f"that a restarted engine lacks; restarts need transport {' or '.join(RESTARTABLE_TRANSPORTS)}"
+        )
+    # An explicit value is one the schema accepted (it refuses > 0 where restarts are impossible).
+    max_restarts = (0 if reason else 3) if eng.max_restarts is None else eng.max_restarts
+    return FleetSettings(
+        health_check_interval_s=eng.health_check_interval_s,
+        health_timeout_s=eng.health_timeout_s,
+        max_restarts=max_restarts,
+        restart_timeout_s=eng.startup_timeout_s,
+        no_restart_reason=reason if max_restarts == 0 else None,
+    )
+
+
+@dataclass
+class _Engine:
+    index: int
+    url: str
+    # serving | suspect (a request failed there) | restarting | behind (restarted, waits for the
+    # fleet's weights) | down (cannot be restarted; re-admitted if it comes back) | lost
+    phase: str = "serving"
+    fault_at: float | None = None  # when its current fault was detected
+    fault: str | None = None
+
+
+@dataclass
+class Recovery:
+    """One fault and how long the engine took to serve again (for metrics and the reliability table)."""
+
+    engine: int
+    fault: str
+    seconds: float
+
+
+@dataclass
+class _Counters:
+    restarts: int = 0
+    faults: int = 0
+    recoveries: list[Recovery] = field(default_factory=list)
+
+
+class EngineFleet:
+    """The run's engines under supervision (see the module docstring)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        transport_options: dict[str, Any],
+        launcher: Any,
+        settings: FleetSettings,
+        work_dir: str,
+    ) -> None:
+        self.urls = urls
+        self.transport_options = transport_options
+        self.launcher = launcher
+        self.settings = settings
+        self.work_dir = work_dir
+        self.board = health.HealthBoard(urls)
+        self._engines = {u: _Engine(i, u) for i, u in enumerate(self.board.engines)}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._updating = False
+        # The version the fleet serves, as of its last update (None: not updated yet; a resumed run
+        # updates the engines before the fleet does, so the serving engines are asked then).
+        self._version: int | None = None
+        self._start_version: int | None = None
+        self._counters = _Counters()
+        self._threads: list[threading.Thread] = []
+        self._http = httpx.Client(timeout=settings.health_timeout_s, trust_env=False)
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def supervised(self) -> bool:
+        return self.settings.health_check_interval_s > 0
+
+    def start(self) -> None:
+        if not self.supervised:
+            return
+        versions = set(self._versions().values())
+        self._start_version = versions.pop() if len(versions) == 1 else None
+        health.register(self.board)
+        if self.settings.no_restart_reason:
+            log.info("engine restarts are off: %s", self.settings.no_restart_reason)
+        thread = threading.Thread(target=self._supervise, name="miles-engine-supervisor", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.board.wake.set()
+        for thread in self._threads:
+            # A restart in progress finishes first, so the launcher's shutdown sees its new process.
+            thread.join(timeout=self.settings.restart_timeout_s)
+        health.unregister(self.board)
+        self._http.close()
+
+    # ------------------------------------------------------------ driver API
+
+    def update_weights(self, backend: Any, version: int) -> TransportStats:
+        """``backend.update_weights(version)``, then every engine must serve ``version``.
+
+        Engines that died or hung on the way are restarted and brought to ``version`` from a
+        snapshot of the trainer's weights; see the module docstring.
+        """
+        t0 = time.perf_counter()
+        faults_before = self.board.faults
+        with self._lock:
+            self._updating = True
+            behind = [e.url for e in self._engines.values() if e.phase == "behind"]
+        try:
+            error: Exception | None = None
+            stats = None
+            try:
+                stats = backend.update_weights(version)
+            except Exception as exc:  # a rank or an engine failed; decided below whose fault it is
+                error = exc
+            wrong = self._wrong_versions(version)
+            if error is None and not wrong:
+                self._serve(version)
+                return stats
+            if self.supervised:
+                self.sweep()
+            engine_fault = self.board.faults != faults_before or bool(behind) or self._any_out()
+            if not engine_fault:
+                if error is not None:
+                    raise error
+                raise EngineError(f"after the weight update to version {version}, engines report {wrong}")
+            self._recover(backend, version, error)
+            seconds = time.perf_counter() - t0
+            if stats is None:
+                stats = TransportStats(bytes_sent=0, seconds=seconds, buckets=0, version=version)
+            stats.metrics = {**stats.metrics, "recovered": 1.0}
+            return stats
+        finally:
+            with self._lock:
+                self._updating = False
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for the step's metrics (``engine/``): restarts, faults, retried requests, out now."""
+        with self._lock:
+            c = self._counters
+            out = {
+                "engine/restarts": float(c.restarts),
+                "engine/faults": float(c.faults),
+                "engine/retried_requests": float(self.board.retried_requests),
+                "engine/quarantined": float(len(self.urls) - len(self.board.available_urls())),
+            }
+            if c.recoveries:
+                out["engine/last_recovery_s"] = c.recoveries[-1].seconds
+            return out
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        with self._lock:
+            return list(self._counters.recoveries)
+
+    # ------------------------------------------------------------ supervision
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self.board.wake.wait(self.settings.health_check_interval_s)
+            self.board.wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.sweep()
+            except Exception:  # the supervisor must outlive one bad check; the next sweep retries
+                log.exception("engine health check failed")
+
+    def sweep(self) -> None:
+        """Check every engine once and act on what changed (see the module docstring)."""
+        for url, engine in list(self._engines.items()):
+            if engine.phase in ("restarting", "lost") or self._stop.is_set():
+                continue
+            problem = self._probe(url)
+            with self._lock:
+                if engine.phase == "serving":
+                    if problem is not None:
+                        self._fault(engine, problem)
+                    elif not self.board.is_available(url) and self.board.failed is None:
+                        self.board.admit(
+                            url
+                        )  # a request failed but the engine is fine (a dropped connection)
+                elif engine.phase == "behind" and problem is not None:
+                    self._fault(engine, problem)
+                elif engine.phase == "down" and problem is None:
+                    self._rejoin(engine)  # an attached engine someone restarted
+
+    def _probe(self, url: str) -> str | None:
+        """None if the engine is fine, else what is wrong with it."""
+        status = self._exit_status(url)
+        if status is not None:
+            return f"its process {status}"
+        try:
+            r = self._http.get(url + "/health")
+        except httpx.TimeoutException:
+            return f"hung: /health did not answer within {self.settings.health_timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            # A killed process drops its connections a moment before it can be reaped: say how it ended.
+            status = self._exit_status(url, wait_s=1.0)
+            return f"its process {status}" if status is not None else f"unreachable: {exc!r}"
+        if r.status_code != 200:
+            return f"unhealthy: /health answered HTTP {r.status_code}"
+        return None
+
+    def _fault(self, engine: _Engine, problem: str) -> None:
+        """Quarantine ``engine`` and restart it if the budget allows (lock held)."""
+        self.board.quarantine(engine.url, problem)
+        self._counters.faults += 1
+        engine.fault, engine.fault_at = problem, time.monotonic()
+        log.warning("engine %d at %s: %s; quarantined", engine.index, engine.url, problem)
+        s = self.settings
+        if s.no_restart_reason is not None or not callable(getattr(self.launcher, "restart", None)):
+            engine.phase = "down"
+        elif self._counters.restarts >= s.max_restarts:
+            engine.phase = "lost"
+            self._give_up(engine, f"restart budget spent (engine.max_restarts {s.max_restarts})")
+            return
+        else:
+            engine.phase = "restarting"
+            self._counters.restarts += 1
+            thread = threading.Thread(
+                target=self._restart, args=(engine,), name=f"miles-engine-restart-{engine.index}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+        if not any(e.phase in ("serving", "restarting", "behind") for e in self._engines.values()):
+            self._give_up(engine, "no engine is left")
+
+    def _restart(self, engine: _Engine) -> None:
+        log.warning("engine %d at %s: restarting", engine.index, engine.url)
+        try:
+            self.launcher.restart(engine.url, self.settings.restart_timeout_s)
+        except Exception as exc:
+            with self._lock:
+                engine.phase = "serving"  # so that _fault treats it as a new fault (and counts the budget)
+                self._fault(engine, f"its restart failed: {exc}")
+            return
+        with self._lock:
+            self._rejoin(engine)
+
+    def _rejoin(self, engine: _Engine) -> None:
+        """A (re)started engine: serve now if it holds the fleet's version, else wait for the next update."""
+        try:
+            held = SyncEngineClient(engine.url, timeout=self.settings.health_timeout_s).weight_version()
+        except EngineError as exc:
+            log.warning("engine %d at %s: no weight version after restart: %s", engine.index, engine.url, exc)
+            held = -1
+        if not self._updating and held == self._current_version(exclude=engine.url):
+            self._admit(engine)
+        else:
+            engine.phase = "behind"
+            log.warning(
+                "engine %d at %s: back with weight version %d; rejoins at the next weight update",
+                engine.index,
+                engine.url,
+                held,
+            )
+
+    def _admit(self, engine: _Engine) -> None:
+        if engine.fault_at is not None:
+            seconds = time.monotonic() - engine.fault_at
+            self._counters.recoveries.append(Recovery(engine.index, engine.fault or "", seconds))
+            log.warning("engine %d at %s: serving again after %.1f s", engine.index, engine.url, seconds)
+        engine.phase, engine.fault, engine.fault_at = "serving", None, None
+        self.board.admit(engine.url)
+
+    def _give_up(self, engine: _Engine, why: str) -> None:
+        message = self.describe(engine.url, why)
+        log.error("%s", message)
+        self.board.fail(message)
+
+    def describe(self, url: str, why: str) -> str:
+        """One line: which engine, what happened to it, why the run cannot go on, where its log is."""
+        engine = self._engines[url]
+        status = self._exit_status(url)
+        what = engine.fault or "failed"
+        if status is not None and status not in what:
+            what += f"; its process {status}"
+        log_path = self._log_path(url)
+        where = f"; its log: {log_path}" if log_path else ""
+        return f"engine {engine.index} at {url}: {what}; {why}{where}"
+
+    # ------------------------------------------------------------ recovery
+
+    def _recover(self, backend: Any, version: int, error: Exception | None) -> None:
+        """After an update hit an engine fault: restarts done, every engine at ``version``, or raise."""
+        self._wait_settled()
+        with self._lock:
+            failed = self.board.failed
+            gone = [e for e in self._engines.values() if e.phase in ("down", "lost")]
+        if failed is not None:
+            raise EngineError(failed) from error
+        if gone:
+            why = self.settings.no_restart_reason or "it could not be restarted"
+            message = self.describe(gone[0].url, f"the weight update to version {version} needs it ({why})")
+            self.board.fail(message)
+            raise EngineError(message) from error
+        behind = [u for u, v in self._versions().items() if v != version]
+        if behind:
+            self._bring_to(backend, version, behind)
+        wrong = self._wrong_versions(version)
+        if wrong:
+            raise EngineError(
+                f"after recovering the weight update to version {version}, engines report {wrong}"
+            ) from error
+        self._serve(version)
+
+    def _wait_settled(self) -> None:
+        """Wait for restarts in progress (each is bounded by the start-up timeout)."""
+        deadline = time.monotonic() + self.settings.restart_timeout_s + 10.0
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(e.phase == "restarting" for e in self._engines.values()):
+                    return
+            time.sleep(0.1)
+
+    def _bring_to(self, backend: Any, version: int, urls: list[str]) -> None:
+        """Load the trainer's current weights into ``urls`` from a snapshot (any transport's engines)."""
+        directory = os.path.join(self.work_dir, "engines", f"recovery-v{version}")
+        log.warning("bringing %s to weight version %d from a snapshot", ", ".join(urls), version)
+        shutil.rmtree(directory, ignore_errors=True)
+        try:
+            backend.export_hf(directory)
+            for url in urls:
+                with SyncEngineClient(url, timeout=self.settings.restart_timeout_s) as client:
+                    client.update_weights_from_disk(directory, weight_version=version)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _serve(self, version: int) -> None:
+        """Every engine holds ``version``: the ones waiting for it rejoin (each checked again, since
+        one may have been restarted, with the base weights, since the versions were read)."""
+        with self._lock:
+            self._version = version
+            for engine in self._engines.values():
+                if engine.phase == "behind":
+                    self._rejoin_checked(engine, version)
+
+    def _rejoin_checked(self, engine: _Engine, version: int) -> None:
+        try:
+            held = SyncEngineClient(engine.url, timeout=self.settings.health_timeout_s).weight_version()
+        except EngineError:
+            return  # the supervisor will find out what is wrong with it
+        if held == version:
+            self._admit(engine)
+
+    # ------------------------------------------------------------ engine queries
+
+    def _versions(self) -> dict[str, int | None]:
+        out: dict[str, int | None] = {}
+        for url in self._engines:
+            try:
+                with SyncEngineClient(url, timeout=self.settings.health_timeout_s) as client:
+                    out[url] = client.weight_version()
+            except EngineError:
+                out[url] = None
+        return out
+
+    def _wrong_versions(self, version: int) -> list[tuple[str, int | None]]:
+        return [(u, v) for u, v in self._versions().items() if v != version]
+
+    def _current_version(self, exclude: str) -> int | None:
+        if self._version is not None:
+            return self._version
+        held = [
+            v for u, v in self._versions().items() if u != exclude and self._engines[u].phase == "serving"
+        ]
+        if not held:
+            return self._start_version  # nothing serving to compare with: what the fleet started at
+        return held[0] if all(v == held[0] for v in held) else None
+
+    def _any_out(self) -> bool:
+        with self._lock:
+            return any(e.phase != "serving" for e in self._engines.values())
+
+    def _exit_status(self, url: str, wait_s: float = 0.0) -> str | None:
+        status = getattr(self.launcher, "exit_status", None)
+        if status is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                found = status(url)
+            except EngineError:  # not an engine this launcher started (attached)
+                return None
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def _log_path(self, url: str) -> str | None:
+        path = getattr(self.launcher, "log_path", None)
+        return None if path is None else (str(p) if (p := path(url)) is not None else None)
+
+
+@contextlib.contextmanager
+def engine_fleet(config: MilesConfig, model_path: str, log_dir: str, work_dir: str) -> Iterator[EngineFleet]:
+    """Launch (or attach to) the run's engines and supervise them for the duration of the block."""
+    launched: dict[str, Any] = {}
+    with rollout_engines(
+        config, model_path, log_dir, work_dir, on_launched=lambda launcher: launched.update(launcher=launcher)
+    ) as (urls, transport_options):
+        fleet = EngineFleet(
+            urls, transport_options, launched.get("launcher"), settings_from(config), work_dir
+        )
+        fleet.start()
+        try:
+            yield fleet
+        finally:
+            fleet.close()
