@@ -178,3 +178,17 @@ def test_a_second_sigterm_stops_at_once_with_no_process_left(tmp_path):
     assert "Traceback" not in err, err
     assert "stopped at once by SIGTERM" in err
     assert _no_process_left(proc.pid)
+
+
+def test_a_start_up_failure_does_not_block_the_retry(small_run):
+    from miles.errors import EngineError
+
+    # The engine cannot become healthy in a millisecond: the run fails while starting up.
+    with pytest.raises(EngineError, match="did not become healthy"):
+        train(small_run("run.name=retry", "engine.startup_timeout_s=0.001"))
+    config = small_run("run.name=retry", "run.num_steps=1", "run.export_hf=false")
+    marker = json.loads((Path(config.run_dir) / "miles-run.json").read_text())
+    assert marker["status"] == "failed" and marker["steps_done"] == 0
+    assert (Path(config.run_dir) / "engines").is_dir()  # its logs are there to read until the retry
+    train(config)  # neither --overwrite nor --resume needed: nothing in it was worth keeping
+    assert [r["step"] for r in _rows(Path(config.run_dir) / "metrics.jsonl")] == [0]

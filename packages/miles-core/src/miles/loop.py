@@ -30,14 +30,16 @@ from dataclasses import dataclass
 
 from miles.config.schema import MilesConfig
 from miles.driver.agentic import fleet_dp_sizes, session_server
-from miles.driver.components import Components, build_components
+from miles.driver.components import Components
+from miles.driver.fleet import engine_fleet
 from miles.driver.generation import RolloutStage, SyncGeneration
+from miles.driver.interrupts import StopRequest, stopped_by_signal
+from miles.driver.preflight import preflight
+from miles.driver.resume import resume_point
 from miles.driver.services import (
-    check_engine_versions,
     describe_update,
     offloaded_while,
     placement_session,
-    rollout_engines,
     served_teacher,
     trainer,
 )
@@ -45,7 +47,7 @@ from miles.driver.sft import SFTStage
 from miles.driver.training import make_train_batch
 from miles.interfaces import RolloutContext
 from miles.plugins import get_plugin_manager
-from miles.run_dir import LoopState, RunDir
+from miles.run_dir import TRAINED_PROMPTS, LoopState, RunDir
 from miles.tracking.jsonl import JsonlTracker, truncate_after
 from miles.types import SamplingParams
 
@@ -65,7 +67,6 @@ class RunResult:
 def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Run the recipe's loop; returns where its results are."""
     from miles.config import dump_config
-    from miles.models.registry import resolve_model
 
     t_start = time.perf_counter()
     # The rich console owns the terminal; library progress bars (here and in the engine and
@@ -73,23 +74,26 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     pm = get_plugin_manager()
     hooks = pm.hook
-    # Plugins see (and may refuse) the config before anything is written or started.
-    hooks.miles_configure.call_historic(kwargs={"config": config})
-    run = RunDir(config.run_dir)
+    run = RunDir(config.run_dir, config.run.output_dir)
     run.check(resume=resume, overwrite=overwrite)
-    # Bad models and datasets fail here, before the run directory is touched.
-    model_path = resolve_model(config.model.path)
-    components = build_components(config, model_path, hooks)
+    # Everything `miles config validate --check` checks (plugins' refusals, model, data, components,
+    # ports) fails here, before the run directory is touched.
+    checked = preflight(config, hooks)
+    model_path, components = checked.model_path, checked.components
     rl = config.mode == "rl"
+    # A resume that would change what the checkpoint means is refused here, also before any write.
+    checkpoint, state, changes = (
+        resume_point(run, config, components.data_source) if resume else (None, LoopState(), {})
+    )
     run.prepare(resume=resume, overwrite=overwrite)
+    if checkpoint:
+        run.keep_config_history()
+        run.record_resume(checkpoint, {k: list(v) for k, v in changes.items()})
+        for path in (run.sub("metrics.jsonl"), run.sub(TRAINED_PROMPTS)):
+            truncate_after(path, state.step - 1)  # the resumed run redoes the steps after the checkpoint
     with open(run.sub("config.yaml"), "w", encoding="utf-8") as f:
         f.write(dump_config(config))
-
-    checkpoint = run.latest_checkpoint() if resume else None
-    state = RunDir.read_state(checkpoint) if checkpoint else LoopState()
-    if checkpoint:
-        components.data_source.load_state_dict(state.data_source)
-        truncate_after(run.sub("metrics.jsonl"), state.step - 1)
+    stop = StopRequest()
 
     loop = asyncio.new_event_loop()
     status = "failed"
@@ -97,7 +101,11 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     # Held while the engines' weights change; a shared-engine evaluation holds it while it measures.
     weights_lock = threading.Lock()
     with contextlib.ExitStack() as stack:
+        # Last of all (engines stopped): the marker says how the run ended, start-up failures included.
+        stack.callback(lambda: run.update_marker(status=status))
         stack.callback(loop.close)
+        stack.callback(_cancel_pending, loop)  # a hard stop leaves tasks behind: end them quietly
+        stack.enter_context(stop.installed())
         sessions = [components.reward, *components.reward_postprocess]
         stack.callback(lambda: loop.run_until_complete(_close_clients([*engines, *sessions])))
         trackers = _start_trackers(config, run, state.step, pm, stack)
@@ -105,10 +113,9 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         stack.enter_context(placement_session(config))
         engine_urls: list[str] = []
         transport_options: dict = {}
-        if rl:
-            engine_urls, transport_options = stack.enter_context(
-                rollout_engines(config, model_path, run.sub("engines"), run.path)
-            )
+        if rl:  # launched (or attached) and supervised: a dead or hung engine is restarted
+            fleet = stack.enter_context(engine_fleet(config, model_path, run.sub("engines"), run.path))
+            engine_urls, transport_options = fleet.urls, fleet.transport_options
         backend = stack.enter_context(
             trainer(config, model_path, components.objective, engine_urls, transport_options, pm)
         )
@@ -116,8 +123,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         if checkpoint:
             backend.load_checkpoint(os.path.join(checkpoint, "trainer"))
             if rl and state.weight_version > 0:
-                backend.update_weights(state.weight_version)
-                check_engine_versions(loop, engines, state.weight_version)
+                fleet.update_weights(backend, state.weight_version)  # the checkpoint's weights, checked
         if rl:
             # Sessions stick to one data-parallel rank of an engine that has several.
             dp_sizes = fleet_dp_sizes(engine_urls) if components.agentic is not None else None
@@ -144,6 +150,8 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                 max_length=config.sft.max_length,
             )
         hooks.miles_on_run_start(config=config, run_dir=run.path)
+        run.update_marker(status="running")
+        stop.graceful = True  # from here a first SIGINT/SIGTERM finishes the step, then stops
         try:
             for step in range(state.step, config.run.num_steps):
                 t_step = time.perf_counter()
@@ -178,29 +186,42 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
                     if _update_due(config, step) or eval_due:
                         version = state.weight_version
                         with weights_lock, generation.weights_changing(version):
-                            stats = backend.update_weights(version)
-                            check_engine_versions(loop, engines, version)
+                            stats = fleet.update_weights(backend, version)  # every engine serves it after
                         hooks.miles_on_weights_updated(version=version, stats=stats)
                         metrics |= describe_update(stats)
+                    metrics |= fleet.metrics()
                     # evaluate when due; finished evaluations are logged against the step they measured
                     if eval_due:
                         evaluator.start(step)
                     _log_evaluations(evaluator, step, hooks)
                 metrics["time/step_s"] = time.perf_counter() - t_step
+                if rl:
+                    run.record_trained_prompts(step, [g.prompt.index for g in groups])
                 hooks.miles_on_metrics(step=step, metrics=metrics)
-            if rl and evaluator is not None:  # wait for the evaluations still running, then log them
-                eval_stack.close()
-                _log_evaluations(evaluator, config.run.num_steps - 1, hooks)
+                run.update_marker(steps_done=step + 1)
+                if stop.requested:
+                    break
             final_dir = None
-            if config.run.export_hf:
-                final_dir = run.sub("final")
-                backend.export_hf(final_dir)
-            status = "completed"
+            if state.step < config.run.num_steps:  # stopped by a signal: keep what is done resumable
+                if config.run.save_every is not None and not _is_checkpoint_of(checkpoint, state.step):
+                    checkpoint = _save(run, backend, state, config.run.keep_checkpoints)
+                    hooks.miles_on_checkpoint_saved(step=state.step - 1, directory=checkpoint)
+                status = "interrupted"
+            else:
+                if rl and evaluator is not None:  # wait for the evaluations still running, then log them
+                    eval_stack.close()
+                    _log_evaluations(evaluator, config.run.num_steps - 1, hooks)
+                if config.run.export_hf:
+                    final_dir = run.sub("final")
+                    backend.export_hf(final_dir)
+                status = "completed"
         except KeyboardInterrupt:
             status = "interrupted"
             raise
         finally:
             hooks.miles_on_run_end(run_dir=run.path, status=status)
+    if status == "interrupted" and stop.signum is not None:
+        raise stopped_by_signal(stop.signum, state.step, config.run.num_steps, checkpoint)
     return RunResult(
         run_dir=run.path,
         steps_done=state.step,
@@ -317,6 +338,22 @@ def _save_due(config: MilesConfig, step: int) -> bool:
     return every is not None and ((step + 1) % every == 0 or last)
 
 
+def _is_checkpoint_of(checkpoint: str | None, step: int) -> bool:
+    return checkpoint is not None and RunDir.read_state(checkpoint).step == step
+
+
+def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what a hard stop left running on the driver's loop, so nothing complains at exit."""
+    if loop.is_closed():
+        return
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
 def _save(run: RunDir, backend: object, state: LoopState, keep: int) -> str:
     staging = run.staging_dir(state.step)
     backend.save_checkpoint(os.path.join(staging, "trainer"))  # type: ignore[attr-defined]
@@ -374,7 +411,7 @@ def _start_trackers(
     if t.tensorboard:
         from miles.tracking.tensorboard import TensorBoardTracker
 
-        trackers["tensorboard"] = TensorBoardTracker(run.sub("tensorboard"))
+        trackers["tensorboard"] = TensorBoardTracker(run.sub("tensorboard"), purge_step=first_step or None)
     if t.console:
         from miles.tracking.console import ConsoleTracker
 

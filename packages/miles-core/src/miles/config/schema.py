@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -30,6 +30,14 @@ class RunSection(Section):
     )
     keep_checkpoints: int = Field(2, ge=1, description="resumable checkpoints kept on disk")
     export_hf: bool = Field(True, description="write a Hugging Face checkpoint of the final policy")
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_relative_path(cls, name: str) -> str:
+        # "." and ".." pass the character class but name output_dir itself or its parent.
+        if set(name) <= {"."}:
+            raise ValueError(f"run.name {name!r} names a directory, not a run; use letters, digits, _ - .")
+        return name
 
 
 class ModelSection(Section):
@@ -95,6 +103,11 @@ class RolloutSection(Section):
         return self
 
 
+# Transports whose engines hold no per-engine state between updates, so a restarted engine can
+# rejoin them (broadcast's weight group and p2p's peer registration are formed once at start-up).
+RESTARTABLE_TRANSPORTS = ("colocated", "disk-delta")
+
+
 class EngineSection(Section):
     launcher: str = Field("embedded", description="embedded (built-in HF engine) or sglang")
     num_engines: int = Field(1, ge=1)
@@ -107,6 +120,20 @@ class EngineSection(Section):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="default: model.dtype")
     max_batch_size: int = Field(64, ge=1, description="requests batched into one forward pass")
     startup_timeout_s: float = Field(180.0, gt=0)
+    # Fault tolerance (docs/reliability.md): the driver health-checks the engines, quarantines a dead
+    # or hung one, retries its requests on the others and restarts it.
+    health_check_interval_s: float = Field(
+        2.0, ge=0, description="seconds between health checks of every engine; 0 turns supervision off"
+    )
+    health_timeout_s: float = Field(
+        10.0, gt=0, description="an engine whose /health does not answer within this is hung"
+    )
+    max_restarts: int | None = Field(
+        None,
+        ge=0,
+        description="engine restarts allowed in the whole run; null: 3 where the launcher and transport "
+        "can restart an engine (launched locally; transport colocated or disk-delta), else 0",
+    )
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -463,6 +490,7 @@ class MilesConfig(Section):
                 f"engine.urls lists {len(self.engine.urls)} engines but engine.num_engines is "
                 f"{self.engine.num_engines}; make them agree"
             )
+        self._check_engine_restarts()
         if self.transport == "colocated" and self.placement.mode == "disaggregated":
             raise ValueError(
                 "transport 'colocated' hands weights over on shared devices; placement.mode 'disaggregated' "
@@ -479,6 +507,29 @@ class MilesConfig(Section):
                 f"with engine.launcher {self.engine.launcher!r}"
             )
         return self
+
+    def _check_engine_restarts(self) -> None:
+        eng = self.engine
+        if not eng.max_restarts:
+            return
+        if eng.health_check_interval_s == 0:
+            raise ValueError(
+                "engine.max_restarts needs health checks to find a dead engine; set "
+                "engine.health_check_interval_s > 0 or engine.max_restarts: 0"
+            )
+        why = None
+        if eng.urls:
+            why = "the engines are attached to (engine.urls): Miles did not start them and cannot restart them"
+        elif self.placement.launcher == "ray":
+            why = "placement.launcher 'ray' does not restart engines yet"
+        elif self.transport not in RESTARTABLE_TRANSPORTS:
+            why = (
+                f"transport {self.transport!r} keeps per-engine state (a weight group, a peer registration) "
+                "that a restarted engine would lack; use transport "
+                f"{' or '.join(RESTARTABLE_TRANSPORTS)}"
+            )
+        if why:
+            raise ValueError(f"engine.max_restarts {eng.max_restarts}: {why}; or set engine.max_restarts: 0")
 
     def _check_agentic(self) -> None:
         generate_fn = self.rollout.generate_fn

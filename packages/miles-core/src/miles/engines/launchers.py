@@ -17,6 +17,7 @@ import abc
 import atexit
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -130,6 +131,9 @@ class _Proc:
     process: subprocess.Popen
     log_path: Path
     log_file: IO[bytes]
+    # How it was started, so that restart() can start it again the same way (same port: same URL).
+    argv: list[str] | None = None
+    env: dict[str, str] | None = None
 
 
 class _ProcessLauncher(abc.ABC):
@@ -220,13 +224,21 @@ class _ProcessLauncher(abc.ABC):
         log_file = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         try:
+            # A process group of its own: the terminal's Ctrl-C reaches only the driver, which stops
+            # the engines itself once the step in flight is done (shutdown and atexit stop them; the
+            # embedded engine also exits when the driver is gone).
             process = subprocess.Popen(
-                argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env
+                argv,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                process_group=0,
             )
         except OSError as exc:
             log_file.close()
             raise EngineError(f"{self.name} engine: cannot start {argv[0]!r}: {exc}") from exc
-        proc = _Proc(url=url, process=process, log_path=log_path, log_file=log_file)
+        proc = _Proc(url=url, process=process, log_path=log_path, log_file=log_file, argv=argv, env=env)
         self._procs.append(proc)
         if not self._atexit:
             atexit.register(self.shutdown)
@@ -273,6 +285,54 @@ class _ProcessLauncher(abc.ABC):
     @property
     def pids(self) -> list[int]:
         return [p.process.pid for p in self._procs]
+
+    # ------------------------------------------------------- fault tolerance
+
+    def _proc(self, url: str) -> _Proc:
+        for proc in self._procs:
+            if proc.url == url:
+                return proc
+        raise EngineError(f"{self.name} launcher did not start an engine at {url}")
+
+    def log_path(self, url: str) -> Path | None:
+        """The log file of the engine this launcher started at ``url`` (None: not one of ours)."""
+        try:
+            return self._proc(url).log_path
+        except EngineError:
+            return None
+
+    def exit_status(self, url: str) -> str | None:
+        """How the engine at ``url`` ended ("exited with code 1", "killed by SIGKILL"); None while it runs."""
+        code = self._proc(url).process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def restart(self, url: str, timeout_s: float | None = None) -> None:
+        """Stop the engine at ``url`` (SIGKILL: it may be hung or stopped) and start it again, same
+        command, port and log file; returns once it answers ``/health``."""
+        old = self._proc(url)
+        if old.argv is None:
+            raise EngineError(f"{self.name} engine at {url} cannot be restarted (its command is unknown)")
+        if old.process.poll() is None:
+            old.process.kill()
+        old.process.wait()
+        old.log_file.write(f"\n===== miles: restarting this engine ({time.strftime('%H:%M:%S')}) =====\n".encode())
+        old.log_file.close()
+        self._procs.remove(old)
+        new = self._spawn(old.argv, url, old.log_path, old.env)
+        try:
+            self._wait_healthy([new], timeout_s or self.startup_timeout_s)
+        except BaseException:
+            if new.process.poll() is None:
+                new.process.kill()
+                new.process.wait()
+            raise
 
     def shutdown(self) -> None:
         """Stop every engine this launcher started (SIGTERM, then SIGKILL after 10 s)."""
