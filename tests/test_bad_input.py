@@ -40,7 +40,9 @@ def test_earlier_results_are_refused_before_any_work(tmp_path):
     run_dir = tmp_path / "runs" / "default"
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-    (run_dir / "miles-run.json").write_text('{"created": "2026-12-01", "status": "completed", "steps_done": 1}')
+    (run_dir / "miles-run.json").write_text(
+        '{"created": "2026-12-01", "status": "completed", "steps_done": 1}'
+    )
     with pytest.raises(RunDirError, match="--resume"):
         train(_config(tmp_path, "model.path=/does/not/matter"))
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'

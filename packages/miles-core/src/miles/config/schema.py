@@ -519,7 +519,9 @@ class MilesConfig(Section):
             )
         why = None
         if eng.urls:
-            why = "the engines are attached to (engine.urls): Miles did not start them and cannot restart them"
+            why = (
+                "the engines are attached to (engine.urls): Miles did not start them and cannot restart them"
+            )
         elif self.placement.launcher == "ray":
             why = "placement.launcher 'ray' does not restart engines yet"
         elif self.transport not in RESTARTABLE_TRANSPORTS:

@@ -322,7 +322,9 @@ class _ProcessLauncher(abc.ABC):
         if old.process.poll() is None:
             old.process.kill()
         old.process.wait()
-        old.log_file.write(f"\n===== miles: restarting this engine ({time.strftime('%H:%M:%S')}) =====\n".encode())
+        old.log_file.write(
+            f"\n===== miles: restarting this engine ({time.strftime('%H:%M:%S')}) =====\n".encode()
+        )
         old.log_file.close()
         self._procs.remove(old)
         new = self._spawn(old.argv, url, old.log_path, old.env)
