@@ -43,6 +43,10 @@ CHAIN = (
         ("", "72", -1.0),
         ("Answer: 0.333", "1/3", -1.0),  # a rounded decimal is not the fraction
         ("Answer: 2\\sqrt{2}", "\\sqrt{8}", -1.0),  # no symbolic equivalence (that is the math reward)
+        # Reasoning is never read, even within the last 300 characters.
+        ("<think>" + CHAIN + "Answer: 72</think>", "72", -1.0),
+        ("<think>" + CHAIN + "Answer: 72", "72", -1.0),  # cut off while thinking
+        ("<think>" + CHAIN + "Answer: 72?</think>\nAnswer: 72", "72", 1.0),
     ],
 )
 def test_dapo_reward(response: str, label: str, reward: float) -> None:

@@ -44,6 +44,21 @@ def score(response: str, label: str | None) -> float:
         ("", "Denver Broncos", 0.0),  # no answer at all
         ("Answer: the", "Denver Broncos", 0.0),  # nothing left after normalization
         ("<answer></answer>", '[""]', 1.0),  # SQuAD v2: "no answer" matches an empty gold
+        ("<answer>Broncos</answer>", '[""]', 0.0),  # ...and nothing else
+        ("<answer>A</answer>", "", 0.0),  # not even what SQuAD's normalization would erase
+        # A gold answer the normalization erases is still an answer: an empty response is wrong.
+        ("", "A", 0.0),
+        ("<answer></answer>", "The", 0.0),
+        ("<think>It is A.</think>", "A", 0.0),  # the reasoning is removed: no answer is left
+        ("Answer: A.", "A", 1.0),  # compared keeping articles: "a" == "a"
+        ("Answer: (a)", "A", 1.0),
+        ("Answer: the", "A", 0.0),  # no longer "both empty"
+        ("Answer: ?", "?", 1.0),  # punctuation only: compared on case and whitespace alone
+        ("Answer: !", "?", 0.0),
+        # A response cut off while still thinking has no answer, even when it looks like one.
+        ("<think>Answer: Denver Broncos", "Denver Broncos", 0.0),
+        # Reasoning the prompt opened ends at a </think> that closes nothing.
+        ("Maybe the Panthers?</think>Answer: Denver Broncos", "Denver Broncos", 1.0),
     ],
 )
 def test_f1_reward(response: str, label: str, reward: float) -> None:
@@ -54,7 +69,13 @@ def test_normalization() -> None:
     assert normalize_text("  The  Quick, brown FOX! ") == "quick brown fox"
     assert normalize_text("an apple a day") == "apple day"
     assert normalize_text("theater") == "theater"  # only whole-word articles go
-    assert token_f1("a", "the") == 1.0  # both empty after normalization
+    # "the" as the gold answer is kept (the articles are compared), so "a" is wrong and "The" right.
+    assert token_f1("a", "the") == 0.0
+    assert token_f1("The", "the") == 1.0
+    assert token_f1("", "A") == 0.0
+    assert token_f1("", "") == 1.0
+    assert token_f1(" ", "\t") == 1.0
+    assert token_f1("a", "") == 0.0
 
 
 def test_extraction_order() -> None:

@@ -48,6 +48,26 @@ GSM_RESPONSE = (
         ("", "7", 0.0),
         ("\\boxed{}", "7", 0.0),
         ("x = 1 or x = 2", "(1, 2)", 0.0),
+        # LaTeX's unbraced shorthand is the braced form: one character or command per argument.
+        ("\\boxed{2\\sqrt3}", "2\\sqrt{3}", 1.0),
+        ("\\boxed{2\\sqrt{3}}", "2\\sqrt3", 1.0),
+        ("\\boxed{\\frac12}", "0.5", 1.0),
+        ("\\boxed{\\frac1{2}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\dfrac{3}4}", "0.75", 1.0),
+        ("\\boxed{\\frac{\\sqrt3}2}", "\\frac{\\sqrt{3}}{2}", 1.0),
+        ("\\boxed{\\frac\\pi2}", "\\frac{\\pi}{2}", 1.0),
+        ("\\boxed{\\sqrt 2}", "\\sqrt{2}", 1.0),
+        ("\\boxed{\\sqrt[3]8}", "2", 1.0),
+        ("\\boxed{\\sqrt x + 1}", "1 + \\sqrt{x}", 1.0),
+        ("\\boxed{2\\sqrt3}", "2\\sqrt{2}", 0.0),
+        # \sqrt12 is \sqrt{1}2 = 2 as LaTeX renders it, not \sqrt{12}.
+        ("\\boxed{\\sqrt12}", "\\sqrt{12}", 0.0),
+        ("\\boxed{\\sqrt12}", "2", 1.0),
+        # The reasoning is never read: a number or box inside <think> is not the answer.
+        ("<think>maybe \\boxed{5}</think>The answer is 7.", "7", 1.0),
+        ("<think>maybe \\boxed{5}</think>The answer is 7.", "5", 0.0),
+        ("<think>3+4 is 7, so \\boxed{7}", "7", 0.0),  # cut off while thinking: no answer
+        ("3+4 is 7</think>\\boxed{7}", "7", 1.0),  # the prompt opened the reasoning
     ],
 )
 def test_math_reward(response: str, label: str, reward: float) -> None:
@@ -60,6 +80,16 @@ def test_extraction() -> None:
     assert extract_answer("so it is \\boxed 7$.") == "7"
     assert extract_answer("v1.5 has 3 parts") == "3"
     assert extract_answer("nothing here") is None
+    assert extract_answer("<think>it is 5</think>") is None
+    assert extract_answer("<think>it is 5</think>\\boxed{6} (not 5)") == "6"
+
+
+def test_shorthand_without_sympy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The braced form is compared as text, so the shorthand matches even when sympy is missing.
+    monkeypatch.setitem(sys.modules, "sympy", None)
+    assert answers_match("2\\sqrt3", "2\\sqrt{3}")
+    assert answers_match("\\frac{1}2", "0.5")
+    assert answers_match("\\frac 3 4", "\\frac{3}{4}")
 
 
 def test_untrusted_answers_are_never_evaluated(tmp_path: Path) -> None:

@@ -48,6 +48,19 @@ GPQA_STYLE = (
         ("the answer is a tough one", None),  # lowercase "a" is the article
         ("The answer is B.\nMy answer: I am fairly sure of it.", "B"),  # "I" before a word is the pronoun
         ("The answer is B.\nAnswer: K", None),  # the final statement names no valid letter
+        # Reasoning is never read: only the answer given after it counts.
+        ("<think>The answer is B? Option B keeps it.\nB</think>\nAnswer: C", "C"),
+        ("<think>\\boxed{A}</think>The answer is (C).", "C"),
+        ("<think>Answer: A</think>", None),  # all reasoning: no answer
+        ("<think>Answer: A</think>\nI cannot decide.", None),
+        # Cut off while thinking: an unclosed <think> runs to the end, so nothing after it counts.
+        ("<think>Answer: A", None),
+        ("<think>It is A.\nA", None),
+        ("Answer: C\n<think>hmm, maybe A?\nA", "C"),  # the answer before the new reasoning stands
+        # A chat template with thinking on opens <think> in the prompt: the response starts inside it.
+        ("Answer: A looks right.\nA</think>\nAnswer: C", "C"),
+        ("Answer: A\n</think>", None),
+        ("<think>a <think>nested</think> B</think>\nD", "D"),
     ],
 )
 def test_extraction(response: str, chosen: str | None) -> None:
@@ -63,6 +76,9 @@ def test_extraction(response: str, chosen: str | None) -> None:
         (GPQA_STYLE + "Answer: C", "C.", 1.0),
         (GPQA_STYLE + "Answer: B", "C", 0.0),  # wrong
         (GPQA_STYLE, "C", 0.0),  # no answer
+        ("<think>" + GPQA_STYLE + "Answer: C</think>\nAnswer: B", "C", 0.0),  # reasoning is not the answer
+        ("<think>" + GPQA_STYLE + "Answer: C", "C", 0.0),  # cut off before answering
+        ("<think>" + GPQA_STYLE + "</think>\nAnswer: C", "C", 1.0),
     ],
 )
 def test_reward(response: str, label: str, reward: float) -> None:

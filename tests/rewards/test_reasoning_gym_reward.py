@@ -26,6 +26,10 @@ def test_correct_wrong_and_tagged_answers(prompts: list[Prompt]) -> None:
         assert reward(Sample(prompt=p, response_text=f" {answer} ")) == 1.0
         assert reward(Sample(prompt=p, response_text=f"<answer>{int(answer) + 1}</answer>")) == 0.0
         assert reward(Sample(prompt=p, response_text="no idea")) == 0.0
+        # A tagged answer inside the reasoning is not the answer; the one after it is.
+        thought = f"<think><answer>{int(answer) + 1}</answer></think><answer>{answer}</answer>"
+        assert reward(Sample(prompt=p, response_text=thought)) == 1.0
+        assert reward(Sample(prompt=p, response_text=f"<think><answer>{answer}</answer>")) == 0.0
     # chain_sum gives partial credit when the answer is buried in text.
     p = prompts[0]
     partial = reward(Sample(prompt=p, response_text=f"The sum is {p.label}."))

@@ -5,7 +5,8 @@ score checks that line only, so the output format is part of what is rewarded:
 
 1. Only the last ``TAIL_CHARS`` (300) characters are read. The answer must come at the
    end; an ``Answer:`` inside a long chain of thought, or a response cut off before it
-   gave one, does not count.
+   gave one, does not count; nor does anything inside ``<think>...</think>`` (or after an
+   unclosed ``<think>``), wherever it is.
 2. The answer is the rest of the line after the last ``Answer:`` there (case-insensitive,
    also ``**Answer:**`` and ``Final answer:``). No such line scores -1.0.
 3. The answer and the label are normalized alike: markdown ``*`` around the answer and a
@@ -27,6 +28,7 @@ import re
 
 from miles.builtins.rewards.labels import require_label
 from miles.builtins.rewards.math import last_boxed, normalize, to_number
+from miles.builtins.rewards.reasoning import strip_reasoning
 from miles.types import Sample
 
 CORRECT = 1.0
@@ -47,8 +49,8 @@ def dapo_reward(sample: Sample) -> float:
 
 
 def extract_answer(text: str) -> str | None:
-    """The text after the last ``Answer:`` in the last ``TAIL_CHARS`` characters, or None."""
-    found = _ANSWER_LINE.findall(text[-TAIL_CHARS:])
+    """The text after the last ``Answer:`` in the last ``TAIL_CHARS`` visible characters, or None."""
+    found = _ANSWER_LINE.findall(strip_reasoning(text)[-TAIL_CHARS:])
     if not found:
         return None
     answer = found[-1].strip()

@@ -7,11 +7,16 @@ size of the multiset intersection of the two token lists::
     precision = common / len(predicted)     recall = common / len(gold)
     F1        = 2 * precision * recall / (precision + recall)     (0 when common == 0)
 
-If either side has no tokens after normalization, F1 is 1.0 when both are empty and 0.0
-otherwise (SQuAD v2's convention for "no answer").
+A gold answer that normalization would erase entirely (``"A"``, ``"The"``, ``"?"``) is a real
+answer, not "no answer": both sides are then normalized more lightly, first keeping the
+articles, then also the punctuation (only case and whitespace are ignored), so label ``"A"``
+matches ``"a."`` but not ``"the"`` or an empty response. A response with no tokens scores 0.0
+against any gold answer that has some. Only a gold answer that is empty or whitespace is "no
+answer" (SQuAD v2's convention): it scores 1.0 against an empty answer, 0.0 against any other.
 
-The answer is read from what follows the last ``</think>`` (the whole response when there
-is none: reasoning is never scored), in this order: the last ``<answer>...</answer>``, else
+The answer is read from the response without its ``<think>...</think>`` reasoning
+(``reasoning.strip_reasoning``: reasoning is never scored, and a response cut off inside an
+unclosed ``<think>`` has no answer), in this order: the last ``<answer>...</answer>``, else
 the last ``\\boxed{...}`` (``\\text{}`` wrappers removed), else the rest of the line after
 the last ``Answer:``, else all of it.
 
@@ -31,13 +36,13 @@ from collections import Counter
 
 from miles.builtins.rewards.labels import require_label
 from miles.builtins.rewards.math import last_boxed
+from miles.builtins.rewards.reasoning import strip_reasoning
 from miles.errors import DataError
 from miles.types import Sample
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _ANSWER_LINE = re.compile(r"(?i:\banswer)\s*(?:\*\*)?\s*:(?:\*\*)?[ \t]*([^\n]*)")
 _ARTICLES = re.compile(r"\b(?:a|an|the)\b")
-_END_OF_THINKING = "</think>"
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\{([^{}]*)\}")
 
 
@@ -69,7 +74,7 @@ def acceptable_answers(label: str, prompt_index: int = 0) -> list[str]:
 
 def extract_answer(response: str) -> str:
     """The part of the response that is scored (see the module docstring for the order)."""
-    response = response.rsplit(_END_OF_THINKING, 1)[-1]
+    response = strip_reasoning(response)
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         return tagged[-1]
@@ -94,12 +99,29 @@ def _is_punctuation(ch: str) -> bool:
     return ch in string.punctuation or unicodedata.category(ch).startswith("P")
 
 
+def _keep_articles(text: str) -> str:
+    return " ".join("".join(ch for ch in text.lower() if not _is_punctuation(ch)).split())
+
+
+def _case_and_space(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+# From the SQuAD normalization to the lightest one: the first that leaves the gold answer a token wins.
+_NORMALIZERS = (normalize_text, _keep_articles, _case_and_space)
+
+
 def token_f1(predicted: str, gold: str) -> float:
-    """Token F1 of two texts after ``normalize_text``."""
-    pred_tokens = normalize_text(predicted).split()
-    gold_tokens = normalize_text(gold).split()
-    if not pred_tokens or not gold_tokens:
-        return 1.0 if pred_tokens == gold_tokens else 0.0
+    """Token F1 of two texts, both normalized by the first of ``_NORMALIZERS`` that keeps a gold token."""
+    for normalizer in _NORMALIZERS:
+        gold_tokens = normalizer(gold).split()
+        if gold_tokens:
+            break
+    else:  # the gold answer is blank: "no answer", right only when the response gives none
+        return 1.0 if not predicted.strip() else 0.0
+    pred_tokens = normalizer(predicted).split()
+    if not pred_tokens:
+        return 0.0
     common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
     if common == 0:
         return 0.0

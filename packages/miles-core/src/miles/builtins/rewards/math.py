@@ -1,7 +1,7 @@
 """A math answer checker: 1.0 when the response's final answer equals the label, else 0.0.
 
 The final answer is the content of the last ``\\boxed{...}`` if there is one, else the
-last number in the response. Two answers match when their normalized text is equal,
+last number in the response, outside its ``<think>`` reasoning (``reasoning.strip_reasoning``). Two answers match when their normalized text is equal,
 when they are the same number (``0.5`` = ``1/2`` = ``\\frac{1}{2}``, ``1,000`` = ``1000``;
 compared as exact fractions), or, when sympy is installed, when their difference
 simplifies to zero (``2\\sqrt{2}`` = ``\\sqrt{8}``). Model output is untrusted: only a
@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from miles.builtins.rewards.labels import require_label
+from miles.builtins.rewards.reasoning import strip_reasoning
 from miles.types import Sample
 
 # A number not glued to a word or a decimal point; "8-5" yields 8 and 5, "x=-3" yields -3.
@@ -39,7 +40,8 @@ def math_reward(sample: Sample) -> float:
 
 
 def extract_answer(text: str) -> str | None:
-    """The last ``\\boxed{}`` content, else the last number, else None."""
+    """The last ``\\boxed{}`` content, else the last number, else None; reasoning is never read."""
+    text = strip_reasoning(text)
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
@@ -84,7 +86,7 @@ def normalize(answer: str) -> str:
     for wrapper in ("\\text", "\\textbf", "\\mathrm", "\\mathbf"):
         s = re.sub(re.escape(wrapper) + r"\{([^{}]*)\}", r"\1", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12 shorthand
+    s = brace_arguments(s)  # \frac12 -> \frac{1}{2}, 2\sqrt3 -> 2\sqrt{3}
     for noise in (
         "\\left",
         "\\right",
@@ -105,6 +107,77 @@ def normalize(answer: str) -> str:
     s = re.sub(r"\s+", "", s)
     s = _ASSIGNMENT.sub("", s)  # "x=5" -> "5"
     return s.rstrip(".")
+
+
+# The commands whose arguments may be written without braces; how many mandatory arguments each has.
+_ARGUMENT_COUNTS = {"frac": 2, "sqrt": 1}
+_COMMAND = re.compile(r"\\([a-zA-Z]+)")
+_TOKEN_COMMAND = re.compile(r"\\(?:[a-zA-Z]+|.)", re.DOTALL)  # a control word or symbol (\pi, \%)
+
+
+def brace_arguments(s: str) -> str:
+    """Brace every argument of ``\\frac`` and ``\\sqrt``, as LaTeX reads them.
+
+    Without braces, LaTeX takes one token per argument: a character or a command, so
+    ``\\frac12`` is ``\\frac{1}{2}``, ``\\frac\\pi2`` is ``\\frac{\\pi}{2}``, ``2\\sqrt3`` is
+    ``2\\sqrt{3}`` and ``\\sqrt 12`` is ``\\sqrt{1}2`` (what it renders). Models write both forms,
+    and the comparisons below (text, ``\\frac`` numbers, sympy) understand only braced arguments.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(s):
+        m = _COMMAND.match(s, i)
+        if m is None:
+            out.append(s[i])
+            i += 1
+            continue
+        out.append(m.group())
+        i = m.end()
+        count = _ARGUMENT_COUNTS.get(m.group(1))
+        if count is None:
+            continue
+        if m.group(1) == "sqrt":
+            i = _skip_spaces(s, i)
+            if i < len(s) and s[i] == "[":  # \sqrt[3]{x}: the optional index stays as written
+                close = s.find("]", i)
+                if close < 0:
+                    break
+                out.append(brace_arguments(s[i : close + 1]))
+                i = close + 1
+        for _ in range(count):
+            argument, i = _argument(s, i)
+            if argument is None:
+                break
+            out.append("{" + brace_arguments(argument) + "}")
+    out.append(s[i:])
+    return "".join(out)
+
+
+def _skip_spaces(s: str, i: int) -> int:
+    while i < len(s) and s[i].isspace():
+        i += 1
+    return i
+
+
+def _argument(s: str, i: int) -> tuple[str | None, int]:
+    """The argument starting at ``s[i]`` (a braced group's content, a command or one character) and
+    the index after it; ``(None, i)`` when there is none (the text ends, or an unbalanced group)."""
+    i = _skip_spaces(s, i)
+    if i >= len(s) or s[i] == "}":
+        return None, i
+    if s[i] == "{":
+        depth = 0
+        for j in range(i, len(s)):
+            if s[j] == "{":
+                depth += 1
+            elif s[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    return s[i + 1 : j], j + 1
+        return None, i
+    if m := _TOKEN_COMMAND.match(s, i):
+        return m.group(), m.end()
+    return s[i], i + 1
 
 
 def to_number(s: str) -> Fraction | None:

@@ -1,5 +1,7 @@
 """Multiple-choice reward: 1.0 when the letter the response settles on is the label's letter, else 0.0.
 
+Only the visible response is read: ``<think>...</think>`` reasoning is removed first, and a
+response cut off inside an unclosed ``<think>`` has no answer (``reasoning.strip_reasoning``).
 A letter counts only when the response states it as its answer, in one of these forms:
 
 - an answer statement: ``Answer: C``, ``The answer is (C)``, ``the correct option is C.``,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import re
 
 from miles.builtins.rewards.labels import require_label
+from miles.builtins.rewards.reasoning import strip_reasoning
 from miles.errors import ConfigError, DataError
 from miles.types import Sample
 
@@ -69,7 +72,8 @@ class MultipleChoiceReward:
         return 1.0 if self.extract(sample.response_text) == expected else 0.0
 
     def extract(self, response: str) -> str | None:
-        """The last letter the response states as its answer, or None."""
+        """The last letter the response states as its answer outside its reasoning, or None."""
+        response = strip_reasoning(response)
         # (position, letter) of every statement; the largest position is the final word.
         found = [(m.start(1), m.group(1)) for m in _STATEMENT.finditer(response)]
         found += [(m.start(1), m.group(1)) for m in _BOXED.finditer(response)]

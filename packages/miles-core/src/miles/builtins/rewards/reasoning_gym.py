@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.builtins.data.reasoning_gym import INSTALL_HINT, METADATA_KEY
+from miles.builtins.rewards.reasoning import strip_reasoning
 from miles.errors import ComponentError, DataError
 from miles.types import Sample
 
@@ -17,7 +18,7 @@ class ReasoningGymReward:
 
     The answer scored is the content of the last ``<answer_tag>...</answer_tag>`` in the
     response when there is one (reasoning-gym's own convention), else the whole response
-    stripped. ``answer_tag=None`` always scores the whole response.
+    stripped; either way outside the response's ``<think>`` reasoning (``strip_reasoning``). ``answer_tag=None`` always scores the whole response.
     """
 
     def __init__(self, answer_tag: str | None = "answer") -> None:
@@ -39,6 +40,7 @@ class ReasoningGymReward:
         return float(score(answer=self.extract(sample.response_text), entry=info["entry"]))
 
     def extract(self, response: str) -> str:
+        response = strip_reasoning(response)
         if self._tag is not None:
             found = self._tag.findall(response)
             if found:
