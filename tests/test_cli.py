@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from plugin_fixtures import FIXTURE_PLUGINS
 
 from miles.cli import LAZY_COMMANDS, cli
 
@@ -54,9 +56,12 @@ def _miles(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def _private_cache(tmp_path: Path) -> dict[str, str]:
-    """PYTHONPATH plus a private XDG_CACHE_HOME: stevedore caches entry points per sys.path there,
-    so a throw-away path would otherwise leave a cache file in ~/.cache on every run."""
-    return {"PYTHONPATH": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    """tmp_path on PYTHONPATH plus a private XDG_CACHE_HOME: stevedore caches entry points per
+    sys.path there, so a throw-away path would otherwise leave a cache file in ~/.cache on every run.
+    What PYTHONPATH holds already (the fixture plugins, when a test asks for them) stays on it."""
+    inherited = os.environ.get("PYTHONPATH")
+    pythonpath = os.pathsep.join([str(tmp_path), *filter(None, [inherited])])
+    return {"PYTHONPATH": pythonpath, "XDG_CACHE_HOME": str(tmp_path / "cache")}
 
 
 def _invoke(*args: str, **env: str):
@@ -64,7 +69,7 @@ def _invoke(*args: str, **env: str):
 
 
 def _error_lines(stderr: str) -> list[str]:
-    """stderr without the plugin warnings (the installed broken fixture plugin always warns)."""
+    """stderr without warnings (the broken fixture plugin warns in the tests that install it)."""
     return [line for line in stderr.splitlines() if not line.startswith("warning: ")]
 
 
@@ -150,6 +155,7 @@ def test_unknown_command_suggests_the_closest() -> None:
 # ------------------------------------------------------------------------------- config
 
 
+@pytest.mark.usefixtures("fixture_plugins")  # the example plugin's `example` section
 def test_config_show_prints_the_resolved_recipe() -> None:
     result = _invoke(
         "config", "show", TINY, "--set", "rollout.temperature=0.25", "--set", "example.target_length=3"
@@ -160,6 +166,7 @@ def test_config_show_prints_the_resolved_recipe() -> None:
     assert result.stdout.startswith(f"recipe: {Path(TINY).resolve()}\n")
 
 
+@pytest.mark.usefixtures("fixture_plugins")  # rollout.reward=length_penalty
 def test_config_validate_ok(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every key by import path is found without --check (the empty classes above are not real
     # components: --check builds them, and `miles run` would refuse them).
@@ -216,6 +223,7 @@ def test_config_validate_check_refuses_an_engine_port_in_use() -> None:
     ]
 
 
+@pytest.mark.usefixtures("fixture_plugins")
 def test_config_schema_is_json_with_plugin_sections() -> None:
     result = _invoke("config", "schema")
     assert result.exit_code == 0
@@ -226,6 +234,7 @@ def test_config_schema_is_json_with_plugin_sections() -> None:
 # ------------------------------------------------------------------------ plugins, recipes
 
 
+@pytest.mark.usefixtures("fixture_plugins")
 def test_plugins_json_and_table() -> None:
     result = _invoke("plugins", "--json")
     assert result.exit_code == 0
@@ -245,6 +254,7 @@ def test_plugins_json_and_table() -> None:
     assert "miles_nonexistent_dependency" in table.stdout.replace("\n", "").replace(" ", "")
 
 
+@pytest.mark.usefixtures("fixture_plugins")
 def test_plugins_lists_a_component_that_cannot_import_as_broken(tmp_path: Path) -> None:
     """Hooks that load are not enough: a reward whose module fails to import makes the plugin broken."""
     (tmp_path / "cli_bad_reward.py").write_text("import cli_missing_dependency\n")
@@ -267,6 +277,35 @@ def test_plugins_lists_a_component_that_cannot_import_as_broken(tmp_path: Path) 
     rows = {row["distribution"]: row for row in json.loads(quick.stdout)}
     assert rows["miles-cli-half-broken"]["status"] == "components not checked"
     assert rows["miles-example-plugin"]["status"] == "components not checked"
+
+
+def test_a_fresh_environment_has_no_fixture_plugins() -> None:
+    """The fixture plugins of tests/plugins are installed only for the tests that ask for them
+    (``fixture_plugins``): the workspace's environment, which every developer's ``uv run miles``
+    uses, holds neither, so its commands print no plugin warning and no ``example`` section."""
+    for dist in FIXTURE_PLUGINS:
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.distribution(dist)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    listing = subprocess.run([str(MILES), "plugins", "--json"], capture_output=True, text=True, env=env)
+    assert listing.returncode == 0, listing.stderr
+    rows = {row["distribution"]: row for row in json.loads(listing.stdout)}
+    assert "miles-core" in rows
+    assert not set(FIXTURE_PLUGINS) & set(rows)
+    for args in (["plugins"], ["config", "show", "default"], ["run", "default", "--dry-run"]):
+        result = subprocess.run([str(MILES), *args], capture_output=True, text=True, env=env)
+        assert result.returncode == 0, result.stderr
+        assert "warning" not in result.stderr.lower() and "broken" not in result.stderr, result.stderr
+        assert "example" not in result.stdout and "broken" not in result.stdout, result.stdout
+
+
+@pytest.mark.usefixtures("fixture_plugins")
+def test_the_fixture_plugins_reach_the_miles_command() -> None:
+    """The other half: with the fixture, the `miles` console script discovers them through entry points."""
+    result = _miles("config", "show", "default", "--set", "example.target_length=5")
+    assert result.returncode == 0, result.stderr
+    assert "\nexample:\n  target_length: 5\n" in result.stdout
+    assert "warning: plugin 'broken' from miles-broken-plugin 0.0.1 is broken" in result.stderr
 
 
 def test_recipes_lists_builtin_and_path_recipes() -> None:
@@ -297,6 +336,7 @@ def test_run_dry_run_validates_and_prints_without_training(tmp_path: Path) -> No
     assert "reward: cli_reward:score" in result.stdout
 
 
+@pytest.mark.usefixtures("fixture_plugins")
 def test_run_selecting_a_broken_plugin_fails_before_training() -> None:
     result = _miles("run", TINY, "--set", "rollout.reward=broken_reward")
     assert result.returncode == 1

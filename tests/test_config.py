@@ -33,8 +33,12 @@ RECIPES = Path(__file__).parent / "data" / "recipes"
 TINY = str(RECIPES / "tiny.yaml")
 
 
+# The plugin sections tested here are the example plugin's (tests/plugins/miles-example-plugin).
+pytestmark = pytest.mark.usefixtures("fixture_plugins_for_module")
+
+
 @pytest.fixture(scope="module")
-def pm():
+def pm(fixture_plugins_for_module):
     return build_plugin_manager(strict=False, disabled=["broken"])
 
 

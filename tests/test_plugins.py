@@ -25,6 +25,9 @@ from miles.plugins import (
 if TYPE_CHECKING:
     from plugin_fixtures import FakeSite
 
+# Most tests here select or list the fixture distributions of tests/plugins.
+pytestmark = pytest.mark.usefixtures("fixture_plugins")
+
 
 REWARD_SOURCE = """
 def score(sample):

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import miles_example_plugin
 from miles.config import load_recipe
 from miles.interfaces import LossInputs
 from miles.plugins import build_plugin_manager, load_component, make_component
 from miles.types import Prompt, Sample
 
 torch.set_num_threads(1)
+
+pytestmark = pytest.mark.usefixtures("fixture_plugins")  # installs tests/plugins/miles-example-plugin
 
 TINY = str(Path(__file__).parent / "data" / "recipes" / "tiny.yaml")
 
@@ -37,6 +38,8 @@ def test_length_penalty_counts_words_when_there_are_no_token_ids() -> None:
 
 
 def test_the_example_section_sets_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    import miles_example_plugin  # importable only once the fixture installed it
+
     monkeypatch.setattr(miles_example_plugin, "target_length", 8)  # restored after the test
     pm = build_plugin_manager(strict=False, disabled=["broken"])
     config = load_recipe(TINY, ["example.target_length=4"], pm=pm)

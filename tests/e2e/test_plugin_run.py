@@ -11,7 +11,8 @@ from miles import hookimpl
 from miles.loop import train
 from miles.plugins import get_plugin_manager
 
-pytestmark = pytest.mark.slow
+# fixture_plugins installs tests/plugins/miles-example-plugin, also for the engine and trainer processes.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fixture_plugins")]
 
 
 class _Rewards:
