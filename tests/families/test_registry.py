@@ -1,4 +1,4 @@
-"""The registry (names, fallback, conflicts) and the family's own guards against bad input."""
+"""The registry (names, unknown names, conflicts) and the family's own guards against bad input."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from miles.families import (
     FamilyError,
     ModelFamily,
+    check_family_name,
     get_family,
     register_family,
     registered_families,
@@ -43,18 +44,38 @@ def test_builtin_names() -> None:
     ]
 
 
-def test_unknown_name_falls_back_to_generic_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="miles.families.registry"):
-        family = get_family("llama-4-maverick")
-    assert family.name == "generic"
-    [record] = [r for r in caplog.records if r.name == "miles.families.registry"]
-    message = record.getMessage()
-    assert "'llama-4-maverick' is not registered" in message and "generic" in message
+def test_unknown_name_is_an_error_with_did_you_mean() -> None:
+    with pytest.raises(FamilyError) as info:
+        get_family("qwen")
+    message = str(info.value)
+    assert "model family 'qwen' is not registered; did you mean 'qwen3'?" in message
     assert "qwen3, qwen3.5" in message and "glm-5" in message  # names the registered families
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="miles.families.registry"):
-        assert get_family("qwen3").name == "qwen3"
-    assert not caplog.records
+    with pytest.raises(FamilyError, match="'llama-4-maverick' is not registered"):
+        check_family_name("llama-4-maverick")
+    # The generic family is still there, but only under its own name.
+    assert get_family("generic").name == "generic" and check_family_name("generic") == "generic"
+
+
+def test_recipe_with_a_misspelt_family_fails_validation() -> None:
+    from miles.config import load_recipe
+    from miles.config.loader import RecipeError
+
+    agentic = ["rollout.generate_fn=multi_turn"]
+    with pytest.raises(RecipeError) as info:
+        load_recipe("default", [*agentic, "agentic.family=qwen"])
+    assert "agentic.family (--set agentic.family=qwen)" in str(info.value)
+    assert "did you mean 'qwen3'?" in str(info.value)
+    assert load_recipe("default", [*agentic, "agentic.family=qwen3"]).agentic.family == "qwen3"
+    assert load_recipe("default", [*agentic, "agentic.family=generic"]).agentic.family == "generic"
+
+
+def test_family_a_plugin_registered_passes_validation(scratch_registry: None) -> None:
+    from miles.config import load_recipe
+
+    mine = dataclasses.replace(get_family("qwen2.5"), name="my-model")
+    register_family("my-model", mine)
+    config = load_recipe("default", ["rollout.generate_fn=multi_turn", "agentic.family=my-model"])
+    assert config.agentic.family == "my-model"
 
 
 def test_register_family(scratch_registry: None) -> None:

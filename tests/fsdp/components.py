@@ -65,6 +65,19 @@ class PGLoss:
         )
 
 
+class ReportedPGLoss(PGLoss):
+    """``PGLoss`` that also logs its own value (``base``) and the correction weights it trained with,
+    so a test can check exactly what the rank's hooks added to or changed in them."""
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        out = super().__call__(inputs)
+        out.metrics["base"] = float(out.loss.detach())
+        if inputs.correction_weights is not None:
+            mask = inputs.loss_mask
+            out.metrics["trained_weight_mean"] = float((inputs.correction_weights * mask).sum() / mask.sum())
+        return out
+
+
 class HalfCorrection:
     """Weights every token by 0.5 and reports a constant metric: enough to see the plumbing."""
 

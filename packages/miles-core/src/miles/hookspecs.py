@@ -7,7 +7,9 @@ Every hook is prefixed ``miles_``. A plugin implements any subset with
 group; pluggy checks the argument names at registration.
 
 Hooks marked *driver* fire in the ``miles run`` process; hooks marked *rank* fire in
-every trainer rank process (the backend builds its own plugin manager there).
+every trainer rank process (the backend builds its own plugin manager there, and calls
+``miles_configure`` with the run's config before it builds anything, so a plugin's
+rank hooks see the recipe's values). No hook fires in a rollout engine process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    import torch
+
     from miles.config.sections import ConfigSection
     from miles.interfaces import CorrectionOutput, LossInputs, LossOutput, TransportStats
     from miles.types import Group, TrainBatch
@@ -38,7 +42,15 @@ def miles_config_sections() -> list[ConfigSection]:
 
 @hookspec(historic=True)
 def miles_configure(config: Any) -> None:
-    """The validated run config, once, before any process is spawned (driver).
+    """The validated run config (driver and rank): configure the plugin from the recipe here.
+
+    Fires once in the driver, before any process is spawned (raise ``ConfigError`` to
+    refuse the recipe), and once in every trainer rank process, before the rank builds
+    its loss, correction and transport: the rank rebuilds the same validated config
+    (plugin sections included) from the data the driver sent in ``BackendSpec.config``.
+    So state a plugin sets here (a module global, an attribute) holds in every process
+    where its hooks and components run. Keep it idempotent and free of driver-only side
+    effects (a tracker opens its run in ``miles_on_run_start``, which fires once).
 
     Historic: a plugin registered later still receives it.
     """
@@ -72,7 +84,8 @@ def miles_rollout_postprocess(groups: list[Group], step: int) -> None:
 def miles_buffer_reject(group: Group) -> str | None:
     """Return a reason to drop ``group`` on arrival at the buffer, or ``None`` to keep it (driver).
 
-    Runs after the recipe's own filters. The first plugin that returns a reason wins.
+    Runs after the recipe's own filters. The first plugin that returns a reason wins; the
+    group is discarded and reported to ``miles_on_group_dropped`` as ``"filter:<reason>"``.
     """
 
 
@@ -94,12 +107,35 @@ def miles_advantages_postprocess(batch: TrainBatch) -> None:
 
 
 @hookspec
-def miles_loss_postprocess(output: LossOutput, inputs: LossInputs) -> LossOutput | None:
-    """The loss of one micro-batch, before backward (rank). Return a replacement to add terms.
+def miles_loss_terms(inputs: LossInputs, kind: str) -> dict[str, torch.Tensor] | None:
+    """Extra loss terms for one micro-batch, added to the loss before backward (rank).
 
-    Implementations run in LIFO registration order and each sees the previous result
-    through ``output`` only if it returns ``None``; return a new ``LossOutput`` to
-    replace it (the backend keeps the last non-``None`` result).
+    The way to add a regulariser or penalty: return ``{name: scalar_tensor}`` (or
+    ``None`` for none, e.g. when ``kind`` is not yours). Every plugin's terms are summed
+    into the loss, so plugins compose; each term's value is logged as ``loss/<name>``
+    (a name used twice, or one the loss already logs, is an error naming it).
+    ``kind`` is the loss's kind: ``"policy"``, ``"supervised"``, or ``"value"`` for the
+    critic's loss (whose ``inputs`` carry ``values``, not ``logprobs``); a plugin that
+    asks only for ``inputs`` gets every kind. Like the loss, a term is this
+    micro-batch's share of the global batch's term: divide sums by
+    ``inputs.num_loss_tokens`` (the global trained-token count) so micro-batches and
+    ranks add up to a token mean.
+    """
+
+
+@hookspec
+def miles_loss_postprocess(output: LossOutput, inputs: LossInputs, kind: str) -> LossOutput | None:
+    """The loss of one micro-batch after ``miles_loss_terms``, before backward (rank).
+
+    A chain: implementations run one after the other (pluggy's order: LIFO registration,
+    ``tryfirst`` / ``trylast`` respected) and each receives in ``output`` the result of
+    the previous ones. Return a new ``LossOutput`` to replace it, or ``None`` to keep it
+    (mutating ``output`` in place also works). So two plugins that each return
+    ``LossOutput(output.loss + term, ...)`` both count. The backend trains on the last
+    output of the chain. Use it to rescale or rewrite the loss; to *add* a term prefer
+    ``miles_loss_terms``, which also logs it. ``kind`` as in ``miles_loss_terms``
+    (optional, like every hook argument). Wrappers are refused for this hook: there is
+    no single call for them to wrap.
     """
 
 

@@ -4,7 +4,14 @@ See ``docs/model-families.md``. Importing this package loads no tokenizer librar
 """
 
 from miles.families.base import FamilyArtefactError, FamilyError, ModelFamily, ParsedReply, TemplateEdit
-from miles.families.registry import GENERIC, get_family, is_registered, register_family, registered_families
+from miles.families.registry import (
+    GENERIC,
+    check_family_name,
+    get_family,
+    is_registered,
+    register_family,
+    registered_families,
+)
 
 __all__ = [
     "GENERIC",
@@ -13,6 +20,7 @@ __all__ = [
     "ModelFamily",
     "ParsedReply",
     "TemplateEdit",
+    "check_family_name",
     "get_family",
     "is_registered",
     "register_family",

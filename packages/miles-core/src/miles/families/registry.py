@@ -1,19 +1,19 @@
 """The family registry: the user names a family at launch; it is never guessed from a checkpoint.
 
-``register_family`` is the single way in (built-ins and, later, plugins use it). ``get_family``
-returns the registration; an unknown name falls back to the ``generic`` family with a warning
-that names the registered ones, because rendering suffixes with an unverified template can
-diverge from the template's own output.
+``register_family`` is the single way in (built-ins, and plugins from the module their
+``miles.plugins`` entry point names, which is imported before any recipe is validated).
+``get_family`` returns the registration; an unknown name is a ``FamilyError`` with a "did
+you mean", like every other wrong name in a recipe, and ``agentic.family`` is checked with
+``check_family_name`` when the recipe is validated. The ``generic`` family (the tokenizer's
+own template, best-effort parsing) is used only when it is named: rendering suffixes with an
+unverified template can diverge from the template's own output, so it is never a fallback.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from miles.families.base import FamilyError, ModelFamily
-
-logger = logging.getLogger(__name__)
 
 GENERIC = "generic"
 
@@ -71,16 +71,37 @@ def is_registered(name: str) -> bool:
 
 
 def get_family(name: str) -> ModelFamily:
-    """The family registered as ``name``; an unknown name gets the generic family and a warning."""
+    """The family registered as ``name``; an unknown name is a ``FamilyError`` naming the registered ones."""
     _ensure_builtins()
     family = _FAMILIES.get(name)
-    if family is not None:
-        return family
-    known = ", ".join(n for n in sorted(_FAMILIES) if n != GENERIC)
-    logger.warning(
-        "model family %r is not registered; using the generic family (the tokenizer's own template, "
-        "best-effort parsing): incremental tokenization may diverge from the template. Registered families: %s",
-        name,
-        known,
+    if family is None:
+        raise FamilyError(_unknown(name))
+    return family
+
+
+def check_family_name(name: str) -> str:
+    """``name`` if a family is registered under it, else a ``FamilyError`` with "did you mean".
+
+    Before refusing a name, the installed hook plugins are imported (the process's plugin
+    manager), since a plugin registers its families when its hook module is imported and a
+    config may be validated before anything else built the manager.
+    """
+    if is_registered(name):
+        return name
+    from miles.plugins import get_plugin_manager
+
+    get_plugin_manager()
+    if is_registered(name):
+        return name
+    raise FamilyError(_unknown(name))
+
+
+def _unknown(name: str) -> str:
+    from miles._plugins.discovery import did_you_mean
+
+    names = sorted(_FAMILIES)
+    return (
+        f"model family {name!r} is not registered{did_you_mean(name, names)} (registered: "
+        f"{', '.join(names)}; {GENERIC!r} renders with the tokenizer's own template, unverified; "
+        "docs/model-families.md says how to register one)"
     )
-    return _FAMILIES[GENERIC]
