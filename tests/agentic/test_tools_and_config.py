@@ -101,8 +101,11 @@ def pm():
 
 
 def _problem(overrides: list[str], pm) -> str:
+    """The refusal of the recipe or of its components' needs (checked before a run starts anything)."""
+    from miles.capabilities import check_needs
+
     with pytest.raises(ConfigError) as info:
-        load_recipe(TINY, overrides, pm=pm)
+        check_needs(load_recipe(TINY, overrides, pm=pm))
     return str(info.value)
 
 
@@ -111,7 +114,7 @@ def _problem(overrides: list[str], pm) -> str:
     [
         (["rollout.generate_fn=agentic"], "needs an `agentic:` section"),
         (["rollout.generate_fn=multi_turn"], "needs an `agentic:` section"),
-        (["agentic={family: qwen3}"], "rollout.generate_fn is 'default'"),
+        (["agentic={family: qwen3}"], "rollout.generate_fn 'default' does not use it"),
         (["rollout.generate_fn=agentic", "agentic={}"], "agentic.family"),
         (
             [

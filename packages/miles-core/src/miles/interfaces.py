@@ -459,6 +459,10 @@ class BackendSpec:
     critic: CriticSpec | None = None
     # Where the ranks run: {"launcher": "local" | "ray", "ray_address": ..., "bundle": {...}} (placement section).
     placement: dict[str, Any] = field(default_factory=lambda: {"launcher": "local"})
+    # The run's validated config as JSON data (``model_dump(mode="json")``): each rank process
+    # rebuilds it and fires ``miles_configure`` with it, so plugins there see the recipe's
+    # values. None when a backend is driven without a run config (nothing is configured).
+    config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -484,9 +488,16 @@ class EngineSpec:
 
 @runtime_checkable
 class EngineLauncher(Protocol):
-    """Starts (or attaches to) rollout engines and returns their base URLs."""
+    """An engine kind: starts (or attaches to) rollout engines, and talks to them.
+
+    ``client(url)`` builds the kind's ``EngineClient`` (the built-in kinds speak SGLang's
+    native API; another kind brings its own client). The class may declare what the kind
+    can do as ``capabilities = miles.capabilities.EngineCapabilities(...)``.
+    """
 
     def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]: ...
+
+    def client(self, url: str) -> EngineClient: ...
 
     def shutdown(self) -> None: ...
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from miles.config.schema import MilesConfig
 from miles.driver.agentic import fleet_dp_sizes, session_server
 from miles.driver.components import Components
-from miles.driver.fleet import engine_fleet
+from miles.driver.fleet import EngineFleet, engine_fleet
 from miles.driver.generation import RolloutStage, SyncGeneration
 from miles.driver.interrupts import StopRequest, stopped_by_signal
 from miles.driver.preflight import preflight
@@ -119,7 +119,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         backend = stack.enter_context(
             trainer(config, model_path, components.objective, engine_urls, transport_options, pm)
         )
-        engines.extend(_engine_clients(engine_urls))
+        engines.extend(fleet.clients() if rl else [])
         if checkpoint:
             backend.load_checkpoint(os.path.join(checkpoint, "trainer"))
             if rl and state.weight_version > 0:
@@ -134,7 +134,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
             teacher = stack.enter_context(served_teacher(config, ctx.tokenizer, loop, run.sub("teachers")))
             if teacher is not None:
                 ctx.scorers.append(teacher)
-            generation = _generation(config, components, ctx, engines, loop, hooks, console, state.step)
+            generation = _generation(config, components, ctx, fleet, loop, hooks, console, state.step)
             stack.callback(generation.close)
             evaluator = None
             if config.eval is not None:  # its own stack: closed (and drained) right after the last step
@@ -239,7 +239,7 @@ def _generation(
     config: MilesConfig,
     components: Components,
     ctx: RolloutContext,
-    engines: list,
+    fleet: EngineFleet,
     loop,
     hooks,
     console,
@@ -262,11 +262,10 @@ def _generation(
     from miles.driver.async_rollout import AsyncGeneration, AsyncRolloutWorker, default_max_inflight
 
     fa = config.fully_async
-    urls = [e.url for e in engines]
 
     def worker_context() -> RolloutContext:  # built on the worker's loop: its clients belong to it
         # The console's per-rollout progress bar has no meaning when rollouts never end.
-        return dataclasses.replace(ctx, engines=_engine_clients(urls), router=None, on_sample_done=None)
+        return dataclasses.replace(ctx, engines=fleet.clients(), router=None, on_sample_done=None)
 
     worker = AsyncRolloutWorker(
         components.rollout_fn,
@@ -283,7 +282,7 @@ def _generation(
         worker,
         components.buffer,
         components.drops,
-        engines,
+        ctx.engines,
         loop,
         prompts_per_step=r.prompts_per_step,
         update_mode=fa.update_mode,
@@ -366,12 +365,6 @@ async def _close_clients(objects: list) -> None:
         close = getattr(obj, "aclose", None)
         if close is not None:
             await close()
-
-
-def _engine_clients(urls: list[str]) -> list:
-    from miles.engines.client import SGLangClient
-
-    return [SGLangClient(url) for url in urls]
 
 
 def _tokenizer(model_path: str):

@@ -148,6 +148,13 @@ class FSDPBackend:
         results = self._run("update_weights", self._same(version))
         return results[0]
 
+    def reconnect_transport(self) -> None:
+        """Engines were restarted: every rank's transport re-forms its connections to them
+        (``Transport.reconnect``), so the next update reaches the restarted ones too. Defined here,
+        the driver may restart engines under this backend; a transport without ``reconnect`` is
+        refused by the driver before any engine starts."""
+        self._run("reconnect_transport", self._same(None))
+
     def save_checkpoint(self, directory: str) -> None:
         directory = os.path.abspath(directory)
         os.makedirs(directory, exist_ok=True)

@@ -61,6 +61,15 @@ class RankTrainer:
         self.world_size = world_size
         self.train_opts = TrainSection.model_validate(spec.options.get("train", {}))
         self.opts = FSDPOptions.model_validate(spec.options.get("fsdp", {}))
+        # This process's plugin manager is fresh: the driver's miles_configure never reached it.
+        # Plugins configure themselves from the run's config first, so that everything built
+        # below (loss, correction, transport) and every rank hook sees the recipe's values.
+        from miles._plugins.backend_hooks import configure_process
+        from miles.plugins import get_plugin_manager
+
+        self.pm = get_plugin_manager()
+        configure_process(spec.config, self.pm)
+        self.hooks = self.pm.hook
         if self.opts.device == "cuda":
             # Its rank on one machine; a Ray actor sees only the GPU Ray gave it (index 0).
             self.device = torch.device("cuda", rank if device_index is None else device_index)
@@ -108,7 +117,7 @@ class RankTrainer:
         elif VALUES in spec.scores:
             raise ComponentError("fsdp: values requested but the spec has no critic")
 
-        self.loss_fn, self.correction_fn, self.value_loss_fn, self.hooks = self._resolve_components()
+        self.loss_fn, self.correction_fn, self.value_loss_fn = self._resolve_components()
         self.transport = self._connect_transport()
 
     # ------------------------------------------------------------------ build
@@ -125,8 +134,8 @@ class RankTrainer:
         warmup = self.train_opts.warmup_steps
         return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
 
-    def _resolve_components(self) -> tuple[Loss, Correction | None, Loss | None, Any]:
-        from miles.plugins import get_plugin_manager, make_component
+    def _resolve_components(self) -> tuple[Loss, Correction | None, Loss | None]:
+        from miles.plugins import make_component
 
         loss = make_component("loss", self.spec.loss, self.spec.loss_options)
         kind = getattr(loss, "kind", "policy")
@@ -143,7 +152,7 @@ class RankTrainer:
             value_loss = make_component("loss", self.spec.critic.loss, self.spec.critic.loss_options)
             if getattr(value_loss, "kind", "policy") != "value":
                 raise ComponentError(f"algorithm.critic.loss {self.spec.critic.loss!r} is not a value loss")
-        return loss, correction, value_loss, get_plugin_manager().hook
+        return loss, correction, value_loss
 
     def _connect_transport(self) -> Any:
         if not self.spec.engine_urls:
@@ -279,7 +288,7 @@ class RankTrainer:
                 inputs.correction_weights = corr.weights.detach()
                 metrics.update({_prefixed("correction/", k): float(v) for k, v in corr.metrics.items()})
 
-        out = self._call_loss(self.loss_fn, self.spec.loss, inputs)
+        out = self._call_loss(self.loss_fn, self.spec.loss, inputs, kind=kind)
         out.loss.backward()
         metrics.update({_prefixed("loss/", k): float(v) for k, v in out.metrics.items()})
         ent = float((entropy.detach() * mb.loss_mask).sum())
@@ -303,7 +312,9 @@ class RankTrainer:
                 num_loss_tokens=batch.num_loss_tokens,
                 num_samples=batch.num_samples,
             )
-            out = self._call_loss(self.value_loss_fn, self.spec.critic.loss, inputs, grad_of="values")
+            out = self._call_loss(
+                self.value_loss_fn, self.spec.critic.loss, inputs, kind="value", grad_of="values"
+            )
             out.loss.backward()
             acc.add({_prefixed("critic/", k): float(v) for k, v in out.metrics.items()}, mb.num_loss_tokens)
         grad_norm = self._clip_grads(self.critic)
@@ -312,13 +323,16 @@ class RankTrainer:
         self.critic_optimizer.zero_grad(set_to_none=True)
         return {"critic/grad_norm": grad_norm, "critic/lr": lr}
 
-    def _call_loss(self, fn: Loss, name: str, inputs: LossInputs, grad_of: str = "logprobs") -> LossOutput:
+    def _call_loss(
+        self, fn: Loss, name: str, inputs: LossInputs, *, kind: str, grad_of: str = "logprobs"
+    ) -> LossOutput:
+        from miles._plugins.backend_hooks import apply_loss_hooks
+
         out = fn(inputs)
         if not isinstance(out, LossOutput):
             raise ComponentError(f"loss {name!r} returned {type(out).__name__}, expected LossOutput")
-        for replaced in self.hooks.miles_loss_postprocess(output=out, inputs=inputs):
-            if replaced is not None:
-                out = replaced
+        # Plugins' terms are added, then the postprocess chain runs (see miles.hookspecs).
+        out = apply_loss_hooks(self.pm, out, inputs, kind)
         loss = out.loss
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise ComponentError(
@@ -383,6 +397,18 @@ class RankTrainer:
         with torch.no_grad():
             stats = self.transport.send(iter_full_tensors(self.model), version)
         return stats if self.rank == 0 else None
+
+    def reconnect_transport(self, _: None = None) -> None:
+        """Re-form the transport's connections to the engines (some were restarted since ``connect``)."""
+        if self.transport is None:
+            return  # no engines to feed
+        reconnect = getattr(self.transport, "reconnect", None)
+        if not callable(reconnect):
+            raise RuntimeError(
+                f"transport {self.spec.transport!r} cannot re-form its connections to restarted engines "
+                f"({type(self.transport).__name__} has no reconnect())"
+            )
+        reconnect(list(self.spec.engine_urls))
 
     def save_checkpoint(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)

@@ -27,7 +27,15 @@ from miles.interfaces import BackendSpec
 
 # The trainer methods a driver may call, plus the offload pair (see ``offload.py``).
 TRAINER_COMMANDS = frozenset(
-    {"train_step", "score", "update_weights", "save_checkpoint", "load_checkpoint", "export_hf"}
+    {
+        "train_step",
+        "score",
+        "update_weights",
+        "reconnect_transport",
+        "save_checkpoint",
+        "load_checkpoint",
+        "export_hf",
+    }
 )
 COMMANDS = TRAINER_COMMANDS | {"offload", "onload"}
 

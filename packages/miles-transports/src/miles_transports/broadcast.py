@@ -9,11 +9,20 @@ engine in background threads (each request returns once its engine has received 
 loaded the bucket), broadcast the tensors in that order, then check that every engine
 answered success. gloo on CPU, NCCL on CUDA; the group is separate from the trainer's
 own default process group (see ``miles.engines.weight_group``).
+
+Restarted engines (``reconnect``): a process that dies takes its end of the group with it,
+and a torch.distributed group cannot take in a new member, so the group is re-formed: rank 0
+releases its end first (local on both backends, so a dead member cannot hang it, and an
+engine still waiting in the old group gets a closed connection instead of waiting for its
+timeout), every engine is asked to destroy its end (a restarted one has none), and all of
+them join a new group under a new name on a fresh rendezvous. Updates send whole tensors, so
+the next update brings a restarted engine to the trainer's weights like every other engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import uuid
@@ -21,10 +30,13 @@ from collections.abc import Sequence
 from concurrent.futures import wait
 from typing import Any
 
+from miles.capabilities import EnginePrep, EngineSetup, TransportNeeds
 from miles.engines.weight_group import FLAT_LOAD_FORMAT, flat_layout
 from miles.errors import ConfigError, EngineError
 from miles_transports.bucket import Bucket, BucketedTransport
 from miles_transports.fanout import EngineFanout
+
+log = logging.getLogger(__name__)
 
 
 def _free_port(host: str) -> int:
@@ -35,6 +47,15 @@ def _free_port(host: str) -> int:
 
 class BroadcastTransport(BucketedTransport):
     """``miles.interfaces.Transport`` over a torch.distributed broadcast group (the default transport)."""
+
+    needs = TransportNeeds(receiver="weight-group")
+
+    @staticmethod
+    def prepare_engines(setup: EngineSetup) -> EnginePrep:
+        """Send a bucket as one broadcast of its bytes to engines that take that (the embedded engine);
+        SGLang needs one broadcast per tensor. weight_sync.options.flatten still decides if given."""
+        flat = "weight-group" in setup.engine.flat_receivers
+        return EnginePrep(transport_options={"flatten": setup.options.get("flatten", flat)})
 
     def __init__(
         self,
@@ -70,6 +91,9 @@ class BroadcastTransport(BucketedTransport):
         self.master_port = master_port
         self.ranks_per_engine = ranks_per_engine
         self.group_name = group_name or f"miles-weights-{uuid.uuid4().hex[:8]}"
+        # Re-formed groups are named after the first one (engines refuse a second group of one name).
+        self._base_group_name = self.group_name
+        self._formations = 0
         self.timeout_s = timeout_s
         # One broadcast of each bucket's bytes instead of one per tensor (a Miles engine extension;
         # the run turns it on for the embedded engine, stock SGLang needs it off).
@@ -88,6 +112,57 @@ class BroadcastTransport(BucketedTransport):
                 self._engines.close()
                 self._engines = None
             raise
+
+    def reconnect(self, engine_urls: list[str]) -> None:
+        """Re-form the weight group with ``engine_urls`` (see the module docstring); every rank calls it.
+
+        Blocks until every engine has joined the new group, like the first formation. With
+        ``check_equal`` on, the next update is compared again (engines randomised first), so a
+        restarted engine is shown to serve exactly the trainer's weights.
+        """
+        if self.rank != 0 or not engine_urls:
+            self.engine_urls = list(engine_urls)
+            return
+        old_name = self.group_name
+        group, self._group = self._group, None
+        engines, self._engines = self._engines, None
+        if group is not None:
+            group.destroy()  # ours first: never waits for a peer (a dead one included)
+        if engines is not None:
+            try:
+                self._destroy_on_engines(engines, old_name)
+            finally:
+                engines.close()
+        self.engine_urls = list(engine_urls)
+        self._formations += 1
+        self.group_name = f"{self._base_group_name}-r{self._formations}"
+        self._open()
+        self._rearm_check()
+        log.info(
+            "broadcast transport: weight group re-formed as %r with %d engine(s)",
+            self.group_name,
+            len(self.engine_urls),
+        )
+
+    @staticmethod
+    def _destroy_on_engines(engines: EngineFanout, name: str) -> None:
+        """Ask every engine to drop its end of group ``name``; a restarted engine has none."""
+        futures = engines.submit("destroy_weights_update_group", name)
+        for url, future in zip(engines.urls, futures, strict=True):
+            try:
+                future.result(timeout=60.0)
+            except EngineError as exc:
+                if f"no weight group {name!r}" in str(exc):
+                    continue  # a restarted process: its end of the group died with the old one
+                # Not fatal here: the new group has another name, and the join that follows fails,
+                # naming this engine, if it cannot be reached.
+                log.warning(
+                    "broadcast transport: engine %s did not destroy weight group %r: %s", url, name, exc
+                )
+            except Exception as exc:
+                log.warning(
+                    "broadcast transport: engine %s did not destroy weight group %r: %r", url, name, exc
+                )
 
     def _form_group(self) -> None:
         from miles.engines.weight_group import create_weight_group

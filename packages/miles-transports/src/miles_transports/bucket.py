@@ -132,7 +132,9 @@ class StreamTransport(abc.ABC):
         self.world_size = 0
         self.device = "cpu"
         self.engine_urls: list[str] = []
-        # The opt-in weight-equality check runs around the first update only.
+        # The opt-in weight-equality check runs around the first update, and again around the first
+        # update after the transport re-formed its engine connections (see ``_rearm_check``).
+        self._check_settings = (check_mode, tuple(check_skip)) if check_equal else None
         self._check = WeightEqualityCheck(check_mode, check_skip) if check_equal else None  # type: ignore[arg-type]
         # Experts' share of the flush threshold (set by a backend with expert parallelism).
         self.expert_parallel = 1
@@ -166,7 +168,8 @@ class StreamTransport(abc.ABC):
                 prepared = check.observe(prepared)
             sent, buckets, metrics = self._deliver(prepared, version)
             if check is not None and engines is not None:
-                check.verify(engines)
+                # Reported, so a run can tell which of its updates were compared (and over how much).
+                metrics = {**metrics, "checked_tensors": float(check.verify(engines))}
         except Exception:
             self._abort()
             # Keep step with the other trainer ranks (they are gathering the rest of the stream),
@@ -201,6 +204,14 @@ class StreamTransport(abc.ABC):
     def _check_urls(self) -> list[str]:
         """The engines this rank's weight-equality check compares: the ones it delivers to."""
         return self.engine_urls
+
+    def _rearm_check(self) -> None:
+        """Compare the engines with the trainer again around the next update (when the check is on):
+        after the engine connections were re-formed, an engine restarted since the first update must be
+        shown to hold exactly the trainer's weights too."""
+        if self._check_settings is not None:
+            mode, skip = self._check_settings
+            self._check = WeightEqualityCheck(mode, skip)  # type: ignore[arg-type]
 
     def _abort(self) -> None:
         """After a failed update, before the rest of the stream is drained (e.g. wait for writes in flight)."""

@@ -11,10 +11,12 @@ engine has answered.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Sequence
 
+from miles.capabilities import EnginePrep, EngineSetup, TransportNeeds
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles.errors import ConfigError
 from miles_transports.bucket import Bucket, BucketedTransport
@@ -40,6 +42,17 @@ def _unaliased(bucket: Bucket) -> dict:
 
 class ColocatedTransport(BucketedTransport):
     """``miles.interfaces.Transport`` through safetensors files in a directory trainer and engines share."""
+
+    # Trainer and engines share the devices (the trainer is offloaded while they generate), and the
+    # hand-off directory is on this machine.
+    needs = TransportNeeds(placement="colocated", launched_engines=True, receiver="handoff-files")
+
+    @staticmethod
+    def prepare_engines(setup: EngineSetup) -> EnginePrep:
+        """A private hand-off directory (in RAM where the machine has /dev/shm), removed after the run."""
+        handoff = make_handoff_dir()
+        setup.stack.callback(shutil.rmtree, handoff, ignore_errors=True)
+        return EnginePrep(engine_options={"handoff_dir": handoff}, transport_options={"handoff_dir": handoff})
 
     def __init__(
         self,
@@ -91,6 +104,20 @@ class ColocatedTransport(BucketedTransport):
         finally:
             if os.path.exists(path):
                 os.remove(path)
+
+    def reconnect(self, engine_urls: list[str]) -> None:
+        """Engines were restarted (same URLs): talk to them over fresh connections.
+
+        Nothing else ties this transport to an engine process: every update hands over whole
+        weights through files, so a restarted engine takes the next one like the others.
+        """
+        self.engine_urls = list(engine_urls)
+        if self.rank == 0 and self._engines is not None:
+            old, self._engines = (
+                self._engines,
+                EngineFanout(self.engine_urls, self.timeout_s, name="miles-coloc"),
+            )
+            old.close()
 
     def _close(self) -> None:
         engines, self._engines = self._engines, None

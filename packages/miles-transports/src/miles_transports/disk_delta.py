@@ -24,6 +24,7 @@ import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from miles.capabilities import EnginePrep, EngineSetup, TransportNeeds
 from miles.errors import ConfigError
 from miles_transports.bucket import StreamTransport
 from miles_transports.fanout import EngineFanout
@@ -39,6 +40,21 @@ class DiskDeltaTransport(StreamTransport):
     wants_base_weights = True
     # A delta applies to the engines' current bytes: they must stay the base, not random values.
     check_randomizes = False
+    needs = TransportNeeds(receiver="disk-delta")
+
+    @staticmethod
+    def prepare_engines(setup: EngineSetup) -> EnginePrep:
+        """Engines read deltas only from the delta directory (<run>/weight_deltas unless
+        weight_sync.options.delta_dir names shared storage); the trainer's snapshot is kept in the
+        engines' dtype, so a delta applies to exactly the bytes they hold."""
+        delta_dir = os.path.abspath(
+            setup.options.get("delta_dir") or os.path.join(setup.work_dir, "weight_deltas")
+        )
+        dtype = setup.options.get("dtype") or setup.engine_dtype
+        return EnginePrep(
+            engine_options={"delta_root": delta_dir},
+            transport_options={"delta_dir": delta_dir, "dtype": dtype},
+        )
 
     def __init__(
         self,
@@ -110,6 +126,19 @@ class DiskDeltaTransport(StreamTransport):
             "delta_publish_s": stats.seconds,
         }
         return stats.file_bytes, 1, metrics
+
+    def reconnect(self, engine_urls: list[str]) -> None:
+        """Engines were restarted (same URLs): talk to them over fresh connections.
+
+        The published versions and the base stay as they are (they live in ``delta_dir``, not in
+        an engine); a restarted engine lacks the base a delta applies to, so the driver brings it
+        to the fleet's version from a snapshot (``miles.driver.fleet``), then it takes the next delta.
+        """
+        self.engine_urls = list(engine_urls)
+        if self.rank == 0 and self._engines is not None:
+            old = self._engines
+            self._engines = EngineFanout(self.engine_urls, timeout_s=self.timeout_s, name="miles-disk-delta")
+            old.close()
 
     def _close(self) -> None:
         if self._engines is not None:

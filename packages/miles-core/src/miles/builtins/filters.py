@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from miles.capabilities import FilterNeeds, declare_needs
 from miles.types import Group, Status
 
 # Rewards closer than this count as equal: float noise must not pass for a learning signal.
 REWARD_TOLERANCE = 1e-8
 
 
+@declare_needs(FilterNeeds(min_group_size=2))  # one sample has no spread: every group would be dropped
 def nonzero_std(group: Group) -> bool:
     """Keep groups whose rewards are not all equal; an all-equal group has zero GRPO advantage everywhere."""
     rewards = group.rewards

@@ -103,11 +103,6 @@ class RolloutSection(Section):
         return self
 
 
-# Transports whose engines hold no per-engine state between updates, so a restarted engine can
-# rejoin them (broadcast's weight group and p2p's peer registration are formed once at start-up).
-RESTARTABLE_TRANSPORTS = ("colocated", "disk-delta")
-
-
 class EngineSection(Section):
     launcher: str = Field("embedded", description="embedded (built-in HF engine) or sglang")
     num_engines: int = Field(1, ge=1)
@@ -287,10 +282,7 @@ class PlacementSection(Section):
         description="Ray resources per engine (default: {GPU: 1} on cuda, else {CPU: 1})",
     )
 
-    def resolved_mode(self, transport: str) -> str:
-        if self.mode is not None:
-            return self.mode
-        return "colocated" if transport == "colocated" else "disaggregated"
+    # Unset: the transport's own placement (miles.capabilities.resolved_placement).
 
 
 class FullyAsyncSection(Section):
@@ -338,7 +330,8 @@ class AgenticSection(Section):
     family: str = Field(
         ...,
         description="model family that renders the chat template and parses replies (`miles check-family`); "
-        "never guessed from the checkpoint; an unregistered name falls back to 'generic' with a warning",
+        "never guessed from the checkpoint; an unregistered name is refused ('generic', the tokenizer's own "
+        "template, only when named)",
     )
     session_mode: Literal["linear", "branching"] = Field(
         "linear",
@@ -367,9 +360,17 @@ class AgenticSection(Section):
     server_host: str = Field("127.0.0.1", description="session server address (agentic)")
     server_port: int = Field(0, ge=0, le=65535, description="session server port; 0 picks a free one")
 
+    @field_validator("family")
+    @classmethod
+    def _registered_family(cls, name: str) -> str:
+        # Like every other wrong name in a recipe, a misspelt family fails validation.
+        from miles.families.base import FamilyError
+        from miles.families.registry import check_family_name
 
-# The built-in generate functions that run episodes through sessions (and so need `agentic:`).
-SESSION_GENERATE_FNS = ("multi_turn", "agentic")
+        try:
+            return check_family_name(name)
+        except FamilyError as exc:
+            raise ValueError(str(exc)) from None
 
 
 class EvalSection(Section):
@@ -462,11 +463,11 @@ class MilesConfig(Section):
                 raise ValueError("eval scores rollouts on engines; mode 'sft' starts none (remove eval)")
             return self
         if self.schedule == "fully_async":
-            if self.placement.resolved_mode(self.transport) == "colocated":
+            if self.placement.mode == "colocated":
                 raise ValueError(
                     "schedule 'fully_async' needs a disaggregated placement (engines generate while the trainer "
-                    "trains, so they cannot share its devices); set placement.mode: disaggregated and a transport "
-                    "other than 'colocated', or use schedule: sync"
+                    "trains, so they cannot share its devices); set placement.mode: disaggregated, or use "
+                    "schedule: sync"
                 )
             fa = self.fully_async
             if fa.max_inflight is not None and fa.max_inflight < self.rollout.n_samples_per_prompt:
@@ -479,33 +480,14 @@ class MilesConfig(Section):
                     "rollout.max_rounds refills a synchronous step; under schedule 'fully_async' the worker "
                     "replaces dropped groups continuously, so leave max_rounds unset"
                 )
-        self._check_agentic()
-        if self.rollout.n_samples_per_prompt == 1 and "nonzero_std" in self.rollout.filters:
-            raise ValueError(
-                "rollout.filters contains 'nonzero_std' but rollout.n_samples_per_prompt is 1: every group "
-                "would be dropped; use n_samples_per_prompt >= 2 or remove the filter"
-            )
+        # What the named components need from each other (transport, engine kind, generate function,
+        # filters) is checked once they are loaded: miles.capabilities.check_needs.
         if self.engine.urls and len(self.engine.urls) != self.engine.num_engines:
             raise ValueError(
                 f"engine.urls lists {len(self.engine.urls)} engines but engine.num_engines is "
                 f"{self.engine.num_engines}; make them agree"
             )
         self._check_engine_restarts()
-        if self.transport == "colocated" and self.placement.mode == "disaggregated":
-            raise ValueError(
-                "transport 'colocated' hands weights over on shared devices; placement.mode 'disaggregated' "
-                "puts the engines elsewhere. Use transport: broadcast (or p2p, disk-delta), or placement.mode: "
-                "colocated"
-            )
-        if self.transport == "colocated" and self.engine.urls:
-            raise ValueError(
-                "transport 'colocated' needs engines launched by this run on this machine, not engine.urls"
-            )
-        if self.transport == "colocated" and self.engine.launcher != "embedded":
-            raise ValueError(
-                "transport 'colocated' is implemented for the embedded engine only; use transport: broadcast "
-                f"with engine.launcher {self.engine.launcher!r}"
-            )
         return self
 
     def _check_engine_restarts(self) -> None:
@@ -524,46 +506,10 @@ class MilesConfig(Section):
             )
         elif self.placement.launcher == "ray":
             why = "placement.launcher 'ray' does not restart engines yet"
-        elif self.transport not in RESTARTABLE_TRANSPORTS:
-            why = (
-                f"transport {self.transport!r} keeps per-engine state (a weight group, a peer registration) "
-                "that a restarted engine would lack; use transport "
-                f"{' or '.join(RESTARTABLE_TRANSPORTS)}"
-            )
+        # Whether the backend and transport can rejoin a restarted engine is theirs to say: the
+        # fleet asks them before any engine starts (miles.driver.fleet.rejoin_problem).
         if why:
             raise ValueError(f"engine.max_restarts {eng.max_restarts}: {why}; or set engine.max_restarts: 0")
-
-    def _check_agentic(self) -> None:
-        generate_fn = self.rollout.generate_fn
-        if generate_fn in SESSION_GENERATE_FNS and self.agentic is None:
-            raise ValueError(
-                f"rollout.generate_fn {generate_fn!r} needs an `agentic:` section naming at least the model "
-                "family (agentic.family, e.g. qwen3; docs/model-families.md lists the registered ones)"
-            )
-        if self.agentic is not None and generate_fn == "default":
-            raise ValueError(
-                "an `agentic:` section is set but rollout.generate_fn is 'default' (single turn), which does "
-                "not use it; set rollout.generate_fn to multi_turn or agentic, or remove the section"
-            )
-        if generate_fn in SESSION_GENERATE_FNS and self.schedule == "fully_async":
-            from miles.errors import ConfigError
-            from miles.sessions.safety import check_update_mode
-
-            try:
-                check_update_mode(self.fully_async.update_mode)
-            except ConfigError as exc:
-                raise ValueError(str(exc)) from None
-        if generate_fn == "agentic" and self.eval is not None and self.eval.mode != "shared":
-            raise ValueError(
-                f"eval.mode {self.eval.mode!r} with rollout.generate_fn 'agentic' is not supported: the agent "
-                "reaches engines through the run's session server, which serves the training engines. Use "
-                "eval.mode: shared (or generate_fn multi_turn, which evaluates on any engines)"
-            )
-        if self.agentic is not None and self.agentic.session_mode == "branching" and generate_fn != "agentic":
-            raise ValueError(
-                "agentic.session_mode 'branching' applies to the session server (generate_fn agentic); "
-                f"{generate_fn!r} drives a linear conversation itself"
-            )
 
     @property
     def run_dir(self) -> str:

@@ -36,9 +36,10 @@ def resolve_agentic(config: MilesConfig) -> AgenticContext | None:
 
 
 def uses_server(config: MilesConfig) -> bool:
-    """The session server runs for every agentic recipe except the built-in multi-turn loop, which
-    plays the agent itself in process (a custom generate function may use the server)."""
-    return config.agentic is not None and config.rollout.generate_fn != "multi_turn"
+    """The session server runs when the generate function declares it needs one (``GenerateNeeds``)."""
+    from miles.capabilities import uses_session_server
+
+    return uses_session_server(config)
 
 
 def fleet_dp_sizes(engine_urls: list[str]) -> list[int]:

@@ -14,6 +14,12 @@ engine serves them, recovering engines that died on the way). Everything else ha
   file), within a budget of ``engine.max_restarts`` restarts for the whole run.
 - A restarted engine holds the base checkpoint (version 0). It rejoins at once when the
   fleet serves version 0, else at the next weight update, which brings it to that version.
+  Before that update the backend re-forms its transport's connections to the engines
+  (``backend.reconnect_transport()``, reaching ``Transport.reconnect(engine_urls)`` on every
+  rank; a broadcast weight group is formed anew with every engine in it), after waiting for
+  restarts in progress so that they are included. Restarts need both: a backend or transport
+  without them cannot rejoin a restarted engine, so the fleet turns restarts off (and refuses
+  an explicit ``engine.max_restarts > 0``) before any engine starts.
 - A weight update that fails, or leaves an engine at another version, after an engine fault is
   recovered: the dead engines are restarted, the trainer's weights are exported once as a
   Hugging Face snapshot, every engine not at the new version loads it
@@ -38,12 +44,12 @@ from typing import Any
 
 import httpx
 
-from miles.config.schema import RESTARTABLE_TRANSPORTS, MilesConfig
+from miles.config.schema import MilesConfig
 from miles.driver.services import rollout_engines
 from miles.engines import health
 from miles.engines.client import SyncEngineClient
-from miles.errors import EngineError
-from miles.interfaces import TransportStats
+from miles.errors import ConfigError, EngineError
+from miles.interfaces import EngineClient, TransportStats
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +66,35 @@ class FleetSettings:
     no_restart_reason: str | None = None
 
 
+def rejoin_problem(config: MilesConfig) -> str | None:
+    """Why a restarted engine could not take the run's next weight update (None: it can).
+
+    Asked of the components themselves (loaded, not built): the backend must offer
+    ``reconnect_transport()`` and the transport class ``reconnect(engine_urls)``.
+    """
+    from miles.plugins import load_component
+
+    backend = load_component("backend", config.backend)
+    if not callable(getattr(backend, "reconnect_transport", None)):
+        return (
+            f"backend {config.backend!r} cannot reconnect its transport to a restarted engine "
+            "(it has no reconnect_transport())"
+        )
+    transport = load_component("transport", config.transport)
+    if not callable(getattr(transport, "reconnect", None)):
+        return (
+            f"transport {config.transport!r} cannot re-form its connections to a restarted engine "
+            "(it has no reconnect(); what it formed with the engines at start-up would not include it)"
+        )
+    return None
+
+
 def settings_from(config: MilesConfig) -> FleetSettings:
-    """Resolve ``engine.max_restarts: null``: restart where the launcher and transport allow it."""
+    """Resolve ``engine.max_restarts: null``: restart where the launcher, backend and transport allow it.
+
+    Raises ``ConfigError`` (one line) for an explicit ``engine.max_restarts > 0`` that cannot be
+    honoured; the run calls this before any engine starts.
+    """
     eng = config.engine
     reason = None
     if eng.urls:
@@ -70,12 +103,10 @@ def settings_from(config: MilesConfig) -> FleetSettings:
         )
     elif config.placement.launcher == "ray":
         reason = "placement.launcher 'ray' does not restart engines yet"
-    elif config.transport not in RESTARTABLE_TRANSPORTS:
-        reason = (
-            f"transport {config.transport!r} keeps per-engine state (a weight group, a peer registration) "
-            f"that a restarted engine lacks; restarts need transport {' or '.join(RESTARTABLE_TRANSPORTS)}"
-        )
-    # An explicit value is one the schema accepted (it refuses > 0 where restarts are impossible).
+    else:
+        reason = rejoin_problem(config)
+    if reason and eng.max_restarts:
+        raise ConfigError(f"engine.max_restarts {eng.max_restarts}: {reason}; or set engine.max_restarts: 0")
     max_restarts = (0 if reason else 3) if eng.max_restarts is None else eng.max_restarts
     return FleetSettings(
         health_check_interval_s=eng.health_check_interval_s,
@@ -139,6 +170,10 @@ class EngineFleet:
         self._version: int | None = None
         self._start_version: int | None = None
         self._counters = _Counters()
+        # Engines (re)started since the start / since the backend last re-formed its transport's
+        # connections: when the counts differ, the next update reconnects first.
+        self._rejoined = 0
+        self._reconnected = 0
         self._threads: list[threading.Thread] = []
         self._http = httpx.Client(timeout=settings.health_timeout_s, trust_env=False)
 
@@ -171,6 +206,10 @@ class EngineFleet:
 
     # ------------------------------------------------------------ driver API
 
+    def clients(self) -> list[EngineClient]:
+        """A client per engine, of the engine kind's own client class, for the calling event loop."""
+        return [self.launcher.client(url) for url in self.urls]
+
     def update_weights(self, backend: Any, version: int) -> TransportStats:
         """``backend.update_weights(version)``, then every engine must serve ``version``.
 
@@ -186,6 +225,7 @@ class EngineFleet:
             error: Exception | None = None
             stats = None
             try:
+                self._reconnect_if_due(backend)
                 stats = backend.update_weights(version)
             except Exception as exc:  # a rank or an engine failed; decided below whose fault it is
                 error = exc
@@ -209,6 +249,25 @@ class EngineFleet:
         finally:
             with self._lock:
                 self._updating = False
+
+    def _reconnect_if_due(self, backend: Any) -> None:
+        """Engines came back since the transport connected: have the backend re-form its connections
+        (after the restarts in progress, so that they are in) before the update must reach them."""
+        reconnect = getattr(backend, "reconnect_transport", None)
+        if not callable(reconnect):
+            return  # restarts were turned off at start (settings_from); nothing can have rejoined
+        with self._lock:
+            restarting = any(e.phase == "restarting" for e in self._engines.values())
+        if restarting:
+            self._wait_settled()
+        with self._lock:
+            target = self._rejoined
+            if target == self._reconnected:
+                return
+        log.warning("re-forming the transport's connections to the engines (an engine was restarted)")
+        reconnect()
+        with self._lock:
+            self._reconnected = target
 
     def metrics(self) -> dict[str, float]:
         """Counters for the step's metrics (``engine/``): restarts, faults, retried requests, out now."""
@@ -316,6 +375,7 @@ class EngineFleet:
 
     def _rejoin(self, engine: _Engine) -> None:
         """A (re)started engine: serve now if it holds the fleet's version, else wait for the next update."""
+        self._rejoined += 1  # a new process: the transport's connections must be re-formed (lock held)
         try:
             held = SyncEngineClient(engine.url, timeout=self.settings.health_timeout_s).weight_version()
         except EngineError as exc:
@@ -472,12 +532,11 @@ class EngineFleet:
 def engine_fleet(config: MilesConfig, model_path: str, log_dir: str, work_dir: str) -> Iterator[EngineFleet]:
     """Launch (or attach to) the run's engines and supervise them for the duration of the block."""
     launched: dict[str, Any] = {}
+    settings = settings_from(config)  # refuses an impossible engine.max_restarts before engines start
     with rollout_engines(
         config, model_path, log_dir, work_dir, on_launched=lambda launcher: launched.update(launcher=launcher)
     ) as (urls, transport_options):
-        fleet = EngineFleet(
-            urls, transport_options, launched.get("launcher"), settings_from(config), work_dir
-        )
+        fleet = EngineFleet(urls, transport_options, launched.get("launcher"), settings, work_dir)
         fleet.start()
         try:
             yield fleet

@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from miles.capabilities import check_needs
 from miles.config.schema import MilesConfig
 from miles.driver.components import Components, build_components
 from miles.errors import ConfigError
@@ -43,6 +44,7 @@ def preflight(config: MilesConfig, hooks: Any = None) -> Preflight:
     model_path = resolve_model(config.model.path)
     components = build_components(config, model_path, hooks)
     try:
+        check_needs(config)  # the components fit together (transport, engine kind, generate fn, filters)
         check_rank_components(config, components)
         check_engine_ports(config)
     except BaseException:

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from miles import hookimpl
+from miles.capabilities import EnginePrep, EngineSetup, engine_capabilities, resolved_placement
 from miles.config.schema import MilesConfig
 from miles.driver.objective import Objective
 from miles.errors import ConfigError, EngineError
 from miles.interfaces import Backend, BackendSpec, EngineLauncher, EngineSpec, TransportStats
-from miles.plugins import make_component
+from miles.plugins import load_component, make_component
 from miles.types import TrainBatch
 
 
@@ -38,9 +38,6 @@ def rollout_engines(
     transport_options: dict[str, Any] = {"bucket_mb": ws.bucket_mb, **ws.options}
     if ws.check_equal:
         transport_options.update(check_equal=True, check_mode=ws.check_mode, check_skip=list(ws.check_skip))
-    if config.transport == "broadcast" and eng.launcher == "embedded":
-        # The embedded engine takes a bucket as one broadcast of its bytes; SGLang needs one per tensor.
-        transport_options.setdefault("flatten", True)
     with contextlib.ExitStack() as stack:
         options: dict[str, Any] = {
             "device": eng.device,
@@ -52,18 +49,21 @@ def rollout_engines(
             **({} if eng.urls else {"seed": config.run.seed}),
             **eng.options,
         }
-        if config.transport == "disk-delta":
-            # Engines read deltas only from here; the trainer's snapshot must be in the engines' dtype.
-            delta_dir = os.path.abspath(
-                ws.options.get("delta_dir") or os.path.join(work_dir, "weight_deltas")
-            )
-            options["delta_root"] = transport_options["delta_dir"] = delta_dir
-            transport_options.setdefault("dtype", options["dtype"])
-        if config.transport == "colocated":
-            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            handoff = stack.enter_context(tempfile.TemporaryDirectory(prefix="miles-handoff-", dir=base))
-            options["handoff_dir"] = transport_options["handoff_dir"] = handoff
         launcher: EngineLauncher = make_component("engine", eng.launcher)
+        # The transport says what its engine-side receiver needs (a hand-off directory, a delta
+        # directory, flat buckets): options for the engines, and the matching ones for itself.
+        prepare = getattr(load_component("transport", config.transport), "prepare_engines", None)
+        if prepare is not None:
+            setup = EngineSetup(
+                engine=engine_capabilities(launcher),
+                engine_dtype=options["dtype"],
+                work_dir=work_dir,
+                options=dict(ws.options),
+                stack=stack,
+            )
+            prep: EnginePrep = prepare(setup)
+            options.update(prep.engine_options)
+            transport_options.update(prep.transport_options)
         if config.placement.launcher == "ray" and not eng.urls:
             from miles.placement import RayEngineLauncher, default_bundle
 
@@ -131,9 +131,10 @@ def trainer(
         teacher_model_path=objective.teacher_model_path,
         critic=objective.critic,
         placement=trainer_placement(config),
+        config=config.model_dump(mode="json"),  # so that miles_configure fires in the ranks too
     )
     backend: Backend = make_component("backend", config.backend)
-    if config.placement.resolved_mode(config.transport) == "colocated" and rl:
+    if rl and resolved_placement(config) == "colocated":
         missing = [m for m in ("offload", "onload") if not callable(getattr(backend, m, None))]
         if missing:
             raise ConfigError(
@@ -181,7 +182,8 @@ def served_teacher(config: MilesConfig, tokenizer: Any, loop: Any, log_dir: str)
         launch = {name: t.model for name, t in distill.teachers.items() if t.model is not None}
         urls = {name: t.url for name, t in distill.teachers.items() if t.url is not None}
         if launch:
-            launcher: EngineLauncher = make_component("engine", "embedded")
+            # A teacher given by its model runs on an engine of the run's own kind.
+            launcher: EngineLauncher = make_component("engine", config.engine.launcher)
             stack.callback(launcher.shutdown)
             eng = config.engine
             options = {
@@ -217,7 +219,10 @@ def served_teacher(config: MilesConfig, tokenizer: Any, loop: Any, log_dir: str)
 def trainer_placement(config: MilesConfig) -> dict[str, Any]:
     """Where the backend's ranks run (plain data: it travels in the BackendSpec)."""
     p = config.placement
-    placement: dict[str, Any] = {"launcher": p.launcher, "mode": p.resolved_mode(config.transport)}
+    placement: dict[str, Any] = {
+        "launcher": p.launcher,
+        "mode": resolved_placement(config) if config.mode == "rl" else p.mode or "disaggregated",
+    }
     if p.launcher == "ray":
         placement |= {"ray_address": p.ray_address, "bundle": dict(p.trainer_bundle)}
     return placement
@@ -245,7 +250,7 @@ def placement_session(config: MilesConfig) -> Iterator[None]:
 @contextlib.contextmanager
 def offloaded_while(config: MilesConfig, backend: Any) -> Iterator[None]:
     """Colocated placement: the trainer's state leaves the shared devices while the engines generate."""
-    if config.placement.resolved_mode(config.transport) != "colocated":
+    if resolved_placement(config) != "colocated":
         yield
         return
     backend.offload()

@@ -25,12 +25,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING, ClassVar
 
 import httpx
 
+from miles.capabilities import EngineCapabilities
 from miles.errors import ConfigError, EngineError
 from miles.interfaces import EngineSpec
+
+if TYPE_CHECKING:
+    from miles.interfaces import EngineClient
 
 EMBEDDED_OPTIONS = {
     "device",
@@ -157,6 +161,13 @@ class _ProcessLauncher(abc.ABC):
     launch_only_options: frozenset[str] = frozenset({"seed", "env"})
     # How to set those options on a server started by hand (for the refusal message).
     launch_flags_hint = "start it with the matching flags"
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities()
+
+    def client(self, url: str) -> EngineClient:
+        """Both built-in kinds serve SGLang's native HTTP API, so they share its client."""
+        from miles.engines.client import SGLangClient
+
+        return SGLangClient(url)
 
     def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
         """Attach when every spec carries a ``url`` option, else start one process per spec."""
@@ -379,6 +390,13 @@ class EmbeddedLauncher(_ProcessLauncher):
     """
 
     name = "embedded"
+    # Weight receivers of the built-in engine (engines/embedded): the broadcast weight group
+    # (which also takes a bucket as one flat buffer), the colocated hand-off directory, disk
+    # deltas, and Mooncake peer-to-peer reads.
+    capabilities = EngineCapabilities(
+        receivers=frozenset({"weight-group", "handoff-files", "disk-delta", "p2p"}),
+        flat_receivers=frozenset({"weight-group"}),
+    )
     launch_only_options = frozenset(
         {"seed", "env", "weight_version", "prefix_cache_tokens", "update_timeout_s", "log_level"}
     )
@@ -484,6 +502,9 @@ class SGLangLauncher(_ProcessLauncher):
     """
 
     name = "sglang"
+    # SGLang joins a torch.distributed weight group (/init_weights_update_group); the other
+    # receivers are the embedded engine's own endpoints.
+    capabilities = EngineCapabilities(receivers=frozenset({"weight-group"}))
     attach_timeout_cap_s = 60.0
     launch_only_options = frozenset(
         {"seed", "env", "tp_size", "mem_fraction_static", "enable_return_routed_experts", "extra_args"}

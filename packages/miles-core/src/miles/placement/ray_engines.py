@@ -20,9 +20,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from miles.capabilities import EngineCapabilities, engine_capabilities
 from miles.engines.launchers import SGLangLauncher, _ProcessLauncher, free_port, sglang_command
 from miles.errors import ConfigError, EngineError
-from miles.interfaces import EngineLauncher, EngineSpec
+from miles.interfaces import EngineClient, EngineLauncher, EngineSpec
 from miles.placement.ray_cluster import (
     bundle_actor_options,
     import_ray,
@@ -118,6 +119,13 @@ class RayEngineLauncher:
         """The engine processes' ids (on their nodes)."""
         ray = import_ray()
         return [pid for actor in self._actors for pid in ray.get(actor.pids.remote(), timeout=30)]
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return engine_capabilities(self.inner)  # the same engines, placed by Ray
+
+    def client(self, url: str) -> EngineClient:
+        return self.inner.client(url)
 
     def shutdown(self) -> None:
         """Stop the engine processes, then their actors, then give the bundles back."""

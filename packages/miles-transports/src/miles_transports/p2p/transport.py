@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from miles.capabilities import TransportNeeds
 from miles.engines.client import EngineCall, SyncEngineClient
 from miles.engines.embedded.p2p import HANDSHAKE, PROTOCOLS, P2PError, load_transfer_engine
 from miles.errors import ConfigError, EngineError
@@ -138,6 +139,8 @@ class P2PTransport(BucketedTransport):
     address that routes to the first engine), ``device_name`` (Mooncake device filter,
     e.g. an RDMA NIC), and the weight-equality check options of ``BucketedTransport``.
     """
+
+    needs = TransportNeeds(receiver="p2p")
 
     def __init__(
         self,

@@ -23,6 +23,7 @@ from typing import Any
 
 from miles.builtins.rewards.agent import AGENT_REWARD
 from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
+from miles.capabilities import GenerateNeeds, declare_needs
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import AgentResult, AgentTask, RolloutContext
 from miles.types import Sample, SamplingParams
@@ -30,6 +31,10 @@ from miles.types import Sample, SamplingParams
 log = logging.getLogger("miles.rollout")
 
 
+# The agent reaches the engines through the run's session server (linear or branching sessions).
+@declare_needs(
+    GenerateNeeds(model_family=True, session_server=True, sync_only_update_modes=True, branching=True)
+)
 async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     agentic = agentic_context(ctx, "agentic")
     if agentic.server is None or agentic.agent is None:

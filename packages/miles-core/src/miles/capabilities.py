@@ -1,0 +1,233 @@
+"""What components need from a run and what engines provide: typed metadata instead of names.
+
+The driver and the recipe checks never compare a component's name with a built-in one.
+A component that needs something declares it, and a third-party component declares it the
+same way:
+
+- a **transport** class sets ``needs = TransportNeeds(...)`` (the placement it runs under,
+  whether it needs engines this run launched, which engine-side receiver it talks to) and may
+  define ``prepare_engines(setup)``, which returns the options the engines must be launched
+  with and the transport options that go with them (whether a restarted engine can rejoin it
+  is its ``reconnect``: see miles.driver.fleet);
+- an **engine kind** (its launcher class) sets ``capabilities = EngineCapabilities(...)``
+  (the weight receivers it has) and builds its client with ``client(url)``;
+- a **generate function** carries ``GenerateNeeds`` (``@declare_needs(GenerateNeeds(...))``):
+  a model family, the session server, the synchronous schedule;
+- a **filter** carries ``FilterNeeds`` (the smallest group it can judge).
+
+``check_needs(config)`` refuses, in one line per problem, a recipe whose components do not
+fit together; the run calls it before it writes or starts anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from miles.errors import ConfigError
+
+if TYPE_CHECKING:
+    from miles.config.schema import MilesConfig
+
+PlacementMode = Literal["colocated", "disaggregated"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TransportNeeds:
+    """What a weight transport needs from the run."""
+
+    # The placement it runs under (None: either; a run without placement.mode takes the transport's,
+    # and disaggregated when it names none).
+    placement: PlacementMode | None = None
+    launched_engines: bool = False  # engines this run starts on this machine (not engine.urls)
+    receiver: str | None = None  # the engine-side receiver it talks to; the engine kind must have it
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine kind can do."""
+
+    receivers: frozenset[str] = frozenset()  # weight receivers it has (see TransportNeeds.receiver)
+    # Receivers that take a whole bucket as one flat byte buffer (fewer, larger messages).
+    flat_receivers: frozenset[str] = frozenset()
+
+
+@dataclass
+class EngineSetup:
+    """What a transport may look at when it prepares the engines (``prepare_engines``)."""
+
+    engine: EngineCapabilities
+    engine_dtype: str
+    work_dir: str  # the run directory
+    options: dict[str, Any]  # weight_sync.options as the recipe gives them
+    stack: contextlib.ExitStack  # for what must be cleaned up when the engines stop
+
+
+@dataclass
+class EnginePrep:
+    """What a transport asks for: options the engines are launched with, and its own options."""
+
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    transport_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerateNeeds:
+    """What a generate function needs from the run."""
+
+    model_family: bool = False  # an `agentic:` section naming the model family
+    session_server: bool = False  # the run's session server (an agent reaches the engines through it)
+    sync_only_update_modes: bool = False  # under fully_async, only weight-update modes sessions survive
+    branching: bool = False  # it can use agentic.session_mode: branching
+
+
+@dataclass(frozen=True)
+class FilterNeeds:
+    """What a group filter needs from the run."""
+
+    min_group_size: int = 1
+
+
+NO_TRANSPORT_NEEDS = TransportNeeds()
+NO_ENGINE_CAPABILITIES = EngineCapabilities()
+NO_GENERATE_NEEDS = GenerateNeeds()
+NO_FILTER_NEEDS = FilterNeeds()
+
+
+def declare_needs(needs: object) -> Callable[[T], T]:
+    """Attach ``needs`` to a function component (``@declare_needs(GenerateNeeds(model_family=True))``)."""
+
+    def mark(fn: T) -> T:
+        fn.needs = needs  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def _declared(component: object, expected: type[T], default: T, what: str) -> T:
+    needs = getattr(component, "needs", default)
+    if not isinstance(needs, expected):
+        raise ConfigError(f"{what} declares needs={needs!r}; expected a {expected.__name__}")
+    return needs
+
+
+def transport_needs(config: MilesConfig) -> TransportNeeds:
+    from miles.plugins import load_component
+
+    cls = load_component("transport", config.transport)
+    return _declared(cls, TransportNeeds, NO_TRANSPORT_NEEDS, f"transport {config.transport!r}")
+
+
+def engine_capabilities(launcher: object) -> EngineCapabilities:
+    caps = getattr(launcher, "capabilities", NO_ENGINE_CAPABILITIES)
+    if not isinstance(caps, EngineCapabilities):
+        raise ConfigError(
+            f"engine launcher {launcher!r} declares capabilities={caps!r}; expected EngineCapabilities"
+        )
+    return caps
+
+
+def generate_needs(config: MilesConfig) -> GenerateNeeds:
+    from miles.plugins import load_component
+
+    fn = load_component("generate", config.rollout.generate_fn)
+    return _declared(
+        fn, GenerateNeeds, NO_GENERATE_NEEDS, f"rollout.generate_fn {config.rollout.generate_fn!r}"
+    )
+
+
+def resolved_placement(config: MilesConfig) -> PlacementMode:
+    """``placement.mode``, or the transport's own placement when the recipe leaves it unset."""
+    if config.placement.mode is not None:
+        return config.placement.mode
+    return transport_needs(config).placement or "disaggregated"
+
+
+def check_needs(config: MilesConfig) -> None:
+    """Refuse a recipe whose components do not fit together (loads the components it asks about)."""
+    if config.mode != "rl":
+        return
+    _check_transport(config)
+    _check_generate(config)
+    _check_filters(config)
+
+
+def _check_transport(config: MilesConfig) -> None:
+    from miles.plugins import load_component
+
+    needs = transport_needs(config)
+    name = repr(config.transport)
+    placement = resolved_placement(config)
+    if needs.placement is not None and placement != needs.placement:
+        raise ConfigError(
+            f"transport {name} runs under placement.mode {needs.placement!r}, but the recipe sets "
+            f"{placement!r}; choose another transport or placement.mode: {needs.placement}"
+        )
+    if config.schedule == "fully_async" and placement == "colocated":
+        raise ConfigError(
+            "schedule 'fully_async' needs a disaggregated placement (engines generate while the trainer "
+            f"trains, so they cannot share its devices); transport {name} with placement.mode 'colocated' "
+            "cannot run it: use a transport for disaggregated engines, or schedule: sync"
+        )
+    if needs.launched_engines and config.engine.urls:
+        raise ConfigError(
+            f"transport {name} needs engines launched by this run on this machine, not engine.urls"
+        )
+    caps = engine_capabilities(load_component("engine", config.engine.launcher))
+    if needs.receiver is not None and needs.receiver not in caps.receivers:
+        raise ConfigError(
+            f"transport {name} talks to an engine-side {needs.receiver!r} receiver, which engine.launcher "
+            f"{config.engine.launcher!r} does not have (it has: {', '.join(sorted(caps.receivers)) or 'none'}); "
+            "choose a transport that engine kind supports"
+        )
+
+
+def _check_generate(config: MilesConfig) -> None:
+    needs = generate_needs(config)
+    fn = repr(config.rollout.generate_fn)
+    if needs.model_family and config.agentic is None:
+        raise ConfigError(
+            f"rollout.generate_fn {fn} needs an `agentic:` section naming at least the model family "
+            "(agentic.family, e.g. qwen3; docs/model-families.md lists the registered ones)"
+        )
+    if config.agentic is not None and not needs.model_family:
+        raise ConfigError(
+            f"an `agentic:` section is set but rollout.generate_fn {fn} does not use it; set "
+            "rollout.generate_fn to one that runs multi-turn episodes (multi_turn, agentic), or remove the section"
+        )
+    if needs.sync_only_update_modes and config.schedule == "fully_async":
+        from miles.sessions.safety import check_update_mode
+
+        check_update_mode(config.fully_async.update_mode)
+    if needs.session_server and config.eval is not None and config.eval.mode != "shared":
+        raise ConfigError(
+            f"eval.mode {config.eval.mode!r} with rollout.generate_fn {fn} is not supported: the agent reaches "
+            "engines through the run's session server, which serves the training engines. Use eval.mode: shared"
+        )
+    if config.agentic is not None and config.agentic.session_mode == "branching" and not needs.branching:
+        raise ConfigError(
+            f"agentic.session_mode 'branching' applies to the session server; rollout.generate_fn {fn} "
+            "drives a linear conversation itself"
+        )
+
+
+def _check_filters(config: MilesConfig) -> None:
+    from miles.plugins import load_component
+
+    n = config.rollout.n_samples_per_prompt
+    for name in config.rollout.filters:
+        needs = _declared(load_component("filter", name), FilterNeeds, NO_FILTER_NEEDS, f"filter {name!r}")
+        if n < needs.min_group_size:
+            raise ConfigError(
+                f"rollout.filters contains {name!r}, which needs groups of at least {needs.min_group_size} "
+                f"samples, but rollout.n_samples_per_prompt is {n}: every group would be dropped; raise "
+                "n_samples_per_prompt or remove the filter"
+            )
+
+
+def uses_session_server(config: MilesConfig) -> bool:
+    """Whether the run starts the session server (its generate function says it needs one)."""
+    return config.mode == "rl" and config.agentic is not None and generate_needs(config).session_server
