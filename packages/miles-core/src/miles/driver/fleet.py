@@ -141,6 +141,7 @@ class Recovery:
 class _Counters:
     restarts: int = 0
     faults: int = 0
+    check_cpu_s: float = 0.0  # CPU time the supervisor thread spent on health checks (its whole cost here)
     recoveries: list[Recovery] = field(default_factory=list)
 
 
@@ -278,6 +279,7 @@ class EngineFleet:
                 "engine/faults": float(c.faults),
                 "engine/retried_requests": float(self.board.retried_requests),
                 "engine/quarantined": float(len(self.urls) - len(self.board.available_urls())),
+                "engine/health_check_cpu_s": c.check_cpu_s,
             }
             if c.recoveries:
                 out["engine/last_recovery_s"] = c.recoveries[-1].seconds
@@ -296,10 +298,14 @@ class EngineFleet:
             self.board.wake.clear()
             if self._stop.is_set():
                 return
+            t_cpu = time.thread_time()
             try:
                 self.sweep()
             except Exception:  # the supervisor must outlive one bad check; the next sweep retries
                 log.exception("engine health check failed")
+            finally:
+                with self._lock:
+                    self._counters.check_cpu_s += time.thread_time() - t_cpu
 
     def sweep(self) -> None:
         """Check every engine once and act on what changed (see the module docstring)."""
