@@ -1,6 +1,6 @@
 """/update_weights_from_disk_delta on a running embedded engine: verified deltas apply, bad ones change nothing.
 
-The trainer side is played by a real :class:`miles.weight_delta.DeltaWriter` seeded
+The trainer side is played by a real :class:`miles_transports.weight_delta.DeltaWriter` seeded
 with the checkpoint the engine loaded (read with safetensors) and publishing perturbed
 copies into the engine's ``--delta-root``. What the engine holds is read back with
 its own checksums (``/weights_checker``).
@@ -54,7 +54,7 @@ class Held:
         self.state, self.version = state, version
 
     def writer(self, root: Path, encoding: str = "xor"):
-        from miles.weight_delta import DeltaWriter
+        from miles_transports.weight_delta import DeltaWriter
 
         w = DeltaWriter(str(root), encoding=encoding)
         w.seed(self.state.items(), self.version)

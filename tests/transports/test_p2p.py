@@ -92,8 +92,8 @@ def no_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_without_mooncake_the_engine_refuses_init_naming_the_extra(no_mooncake):
-    from miles.engines.embedded.p2p import P2PError, P2PService
     from miles.engines.embedded.weights import WeightUpdater
+    from miles_transports.p2p.receiver import P2PError, P2PService
 
     model = torch.nn.Linear(2, 2)
     weights = WeightUpdater(
@@ -129,7 +129,7 @@ def test_bad_options_are_refused():
 
 
 def test_layout_is_checked_against_the_buffer():
-    from miles.engines.embedded.p2p import P2PError, parse_layout
+    from miles_transports.p2p.receiver import P2PError, parse_layout
 
     ok = parse_layout(["a", "b"], ["float32", "torch.bfloat16"], [[2, 3], [4]], [0, 64], buffer_len=72)
     assert [(s.name, s.nbytes, s.offset) for s in ok] == [("a", 24, 0), ("b", 8, 64)]

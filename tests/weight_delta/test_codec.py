@@ -7,8 +7,8 @@ import pytest
 import torch
 import zstandard
 
-from miles.weight_delta import codec
-from miles.weight_delta.codec import DeltaError, Encoder, decode, tensor_bytes
+from miles_transports.weight_delta import codec
+from miles_transports.weight_delta.codec import DeltaError, Encoder, decode, tensor_bytes
 
 DTYPES = [
     torch.float32,

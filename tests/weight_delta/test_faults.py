@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles.weight_delta import DeltaError, DeltaWriter, read_delta, read_index, version_dir
+from miles_transports.weight_delta import DeltaError, DeltaWriter, read_delta, read_index, version_dir
 
 from . import make_state, rewrite_index, step
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.weight_delta import (
+from miles_transports.weight_delta import (
     DeltaError,
     DeltaWriter,
     published_versions,
@@ -249,7 +249,7 @@ def test_a_writer_killed_mid_publish_leaves_no_index(tmp_path: Path) -> None:
         import os, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from weight_delta import make_state, step
-        from miles.weight_delta import DeltaWriter
+        from miles_transports.weight_delta import DeltaWriter
 
         writer = DeltaWriter({str(tmp_path)!r})
         writer.seed(make_state().items(), 0)

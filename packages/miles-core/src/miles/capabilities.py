@@ -53,6 +53,9 @@ class EngineCapabilities:
     receivers: frozenset[str] = frozenset()  # weight receivers it has (see TransportNeeds.receiver)
     # Receivers that take a whole bucket as one flat byte buffer (fewer, larger messages).
     flat_receivers: frozenset[str] = frozenset()
+    # (receiver, why) for receivers it would have but could not load (a broken plugin): a run
+    # that needs one is refused with the reason.
+    unavailable: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -178,6 +181,12 @@ def _check_transport(config: MilesConfig) -> None:
         )
     caps = engine_capabilities(load_component("engine", config.engine.launcher))
     if needs.receiver is not None and needs.receiver not in caps.receivers:
+        broken = dict(caps.unavailable).get(needs.receiver)
+        if broken is not None:
+            raise ConfigError(
+                f"transport {name} talks to an engine-side {needs.receiver!r} receiver, which engine.launcher "
+                f"{config.engine.launcher!r} could not load: {broken}"
+            )
         raise ConfigError(
             f"transport {name} talks to an engine-side {needs.receiver!r} receiver, which engine.launcher "
             f"{config.engine.launcher!r} does not have (it has: {', '.join(sorted(caps.receivers)) or 'none'}); "

@@ -4,7 +4,7 @@ Every engine starts from the same base checkpoint (the one the trainer loaded). 
 trainer's rank 0 keeps a byte snapshot of what the engines hold, seeded from its own
 weights right after start-up (``seed``, before any training step, so it equals the
 checkpoint bit for bit in the engines' dtype). Each update publishes
-``delta_dir/v{version:06d}/`` through :class:`miles.weight_delta.DeltaWriter`: per
+``delta_dir/v{version:06d}/`` through :class:`miles_transports.weight_delta.DeltaWriter`: per
 changed tensor its XOR (or overwrite) delta against the snapshot, zstd-compressed,
 every file written atomically and the index last. Then every engine is asked to apply
 that version (``/update_weights_from_disk_delta``): it checks the index, that the base
@@ -95,7 +95,7 @@ class DiskDeltaTransport(StreamTransport):
         self._engines: EngineFanout | None = None
 
     def _open(self) -> None:
-        from miles.weight_delta import DeltaWriter
+        from miles_transports.weight_delta import DeltaWriter
 
         # Versions left by an earlier run in this directory describe other weights: start clean.
         if os.path.isdir(self.delta_dir):

@@ -38,6 +38,8 @@ KIND_GROUPS: dict[str, str] = {
     "session_matcher": "miles.session_matchers",
     "agent": "miles.agents",
     "toolset": "miles.toolsets",
+    # Engine-side halves of transports, mounted by the embedded engine (miles.engines.embedded.receivers).
+    "engine_receiver": "miles.engine_receivers",
 }
 GROUP_KINDS: dict[str, str] = {group: kind for kind, group in KIND_GROUPS.items()}
 ALL_GROUPS: tuple[str, ...] = (*KIND_GROUPS.values(), HOOKS_GROUP)

@@ -45,7 +45,6 @@ EMBEDDED_OPTIONS = {
     "seed",
     "startup_timeout_s",
     "weight_version",
-    "delta_root",
     "update_timeout_s",
     "log_level",
     "prefix_cache_tokens",
@@ -226,8 +225,9 @@ class _ProcessLauncher(abc.ABC):
                 taken.add(spec.port)
         for i, spec in enumerate(specs):
             if ports[i] is None:
-                ports[i] = free_port(spec.host, exclude=taken)
-                taken.add(ports[i])
+                port = free_port(spec.host, exclude=taken)
+                ports[i] = port
+                taken.add(port)
         return [int(p) for p in ports if p is not None]
 
     def _spawn(self, argv: list[str], url: str, log_path: Path, env: dict[str, str] | None) -> _Proc:
@@ -377,12 +377,31 @@ def _attach(specs: Sequence[EngineSpec], timeout_s: float) -> list[str]:
 # ------------------------------------------------------------- embedded
 
 
+class _EmbeddedCapabilities:
+    """``EmbeddedLauncher.capabilities``, on the class as on an instance: computed from what is installed."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> EngineCapabilities:
+        from miles.engines.embedded.receivers import (
+            BUILTIN_RECEIVERS,
+            FLAT_BUILTIN_RECEIVERS,
+            installed_receivers,
+        )
+
+        found = installed_receivers()
+        return EngineCapabilities(
+            receivers=BUILTIN_RECEIVERS | frozenset(found.loaded),
+            flat_receivers=FLAT_BUILTIN_RECEIVERS | frozenset(n for n, r in found.loaded.items() if r.flat),
+            unavailable=tuple(sorted(found.broken.items())),
+        )
+
+
 class EmbeddedLauncher(_ProcessLauncher):
     """Runs one ``python -m miles.engines.embedded`` process per spec.
 
     Spec options: ``device``, ``dtype`` (None: the model's), ``max_batch_size``,
-    ``handoff_dir``, ``torch_threads``, ``seed``, ``weight_version``,
-    ``delta_root`` (where disk-delta versions are read from), ``update_timeout_s``
+    ``handoff_dir``, ``torch_threads``, ``seed``, ``weight_version``, the launch options of
+    the installed engine receivers (e.g. disk-delta's ``delta_root``, see
+    :mod:`miles.engines.embedded.receivers`), ``update_timeout_s``
     (how long a staged multi-bucket update may wait for its next bucket),
     ``prefix_cache_tokens`` (KV kept across requests for prefix reuse; 0 turns it off),
     ``startup_timeout_s``, ``log_level``, ``env`` (extra environment), or ``url``
@@ -390,20 +409,19 @@ class EmbeddedLauncher(_ProcessLauncher):
     """
 
     name = "embedded"
-    # Weight receivers of the built-in engine (engines/embedded): the broadcast weight group
-    # (which also takes a bucket as one flat buffer), the colocated hand-off directory, disk
-    # deltas, and Mooncake peer-to-peer reads.
-    capabilities = EngineCapabilities(
-        receivers=frozenset({"weight-group", "handoff-files", "disk-delta", "p2p"}),
-        flat_receivers=frozenset({"weight-group"}),
-    )
+    # The engine's own receivers (the broadcast weight group, which also takes a bucket as one
+    # flat buffer, and the colocated hand-off directory) plus those of installed transport
+    # distributions (disk-delta, p2p, ...), read when asked.
+    capabilities = _EmbeddedCapabilities()
     launch_only_options = frozenset(
         {"seed", "env", "weight_version", "prefix_cache_tokens", "update_timeout_s", "log_level"}
     )
     launch_flags_hint = "start it with the matching `python -m miles.engines.embedded` flags (seed: --seed)"
 
     def _allowed_options(self) -> set[str]:
-        return EMBEDDED_OPTIONS
+        from miles.engines.embedded.receivers import installed_receivers
+
+        return EMBEDDED_OPTIONS | installed_receivers().option_names
 
     def command(self, spec: EngineSpec, port: int) -> list[str]:
         o = spec.options
@@ -428,11 +446,14 @@ class EmbeddedLauncher(_ProcessLauncher):
             "torch_threads": "--torch-threads",
             "seed": "--seed",
             "weight_version": "--weight-version",
-            "delta_root": "--delta-root",
             "update_timeout_s": "--update-timeout-s",
             "log_level": "--log-level",
             "prefix_cache_tokens": "--prefix-cache-tokens",
         }
+        from miles.engines.embedded.receivers import installed_receivers
+
+        for receiver in installed_receivers().loaded.values():
+            flags.update({option.name: option.flag for option in receiver.options})
         for key, flag in flags.items():
             if o.get(key) is not None:
                 argv += [flag, str(o[key])]

@@ -8,7 +8,7 @@ stream gathers them), so any rank can send; ranks without targets only drain.
 Set-up (each source, once): start a Mooncake ``TransferEngine`` (``P2PHANDSHAKE``,
 no metadata server), allocate ONE staging buffer of ``bucket_mb`` and register it,
 then ``POST /p2p/init`` to each of its engines, which answers with its session and
-the address of its registered receive buffer (see ``miles.engines.embedded.p2p``).
+the address of its registered receive buffer (see :mod:`miles_transports.p2p.receiver`).
 
 Per bucket: pack the bucket's tensors into the staging buffer (contiguous bytes,
 offsets aligned to ``ALIGN``), then for each target in turn write the packed bytes
@@ -48,10 +48,10 @@ import httpx
 
 from miles.capabilities import TransportNeeds
 from miles.engines.client import EngineCall, SyncEngineClient
-from miles.engines.embedded.p2p import HANDSHAKE, PROTOCOLS, P2PError, load_transfer_engine
 from miles.errors import ConfigError, EngineError
 from miles_transports.bucket import Bucket, BucketedTransport, MiB, iter_buckets, tensor_nbytes
 from miles_transports.p2p.plan import plan_transfers
+from miles_transports.p2p.receiver import HANDSHAKE, PROTOCOLS, P2PError, load_transfer_engine
 
 if TYPE_CHECKING:
     import torch

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,9 @@ class EngineOptions:
     handoff_dir: str | None = None
     seed: int | None = None
     weight_version: str = "0"
-    delta_root: str | None = None  # where /update_weights_from_disk_delta finds v{version:06d}
+    # The installed receivers' launch options (miles.engines.embedded.receivers), e.g. disk-delta's
+    # delta_root; each receiver gets its own when the server mounts it.
+    receiver_options: dict[str, str | None] = field(default_factory=dict)
     update_timeout_s: float = 300.0  # a staged multi-bucket update with no bucket for this long is dropped
     # Most tokens the prefix cache keeps over all its entries (see prefix_cache); 0 disables it.
     prefix_cache_tokens: int = 65536
@@ -133,7 +135,6 @@ class EmbeddedEngine:
             # KV computed by the old weights must never be reused: every weight change empties the cache.
             on_change=self.scheduler.flush_prefix_cache,
             handoff_dir=options.handoff_dir,
-            delta_root=options.delta_root,
             update_timeout_s=options.update_timeout_s,
         )
 

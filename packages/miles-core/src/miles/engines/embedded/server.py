@@ -10,9 +10,11 @@ not silently ignored. Errors look like SGLang's: generation errors are
 Weight updates are all-or-nothing (see ``miles.engines.embedded.weights``): the
 buckets of a broadcast or hand-off update are staged until the one carrying
 ``weight_version`` commits them together. Miles extensions, not in SGLang:
-``bucket_index`` on those two calls, ``/update_weights_from_disk_delta`` and our own
-``/weights_checker`` (patched SGLang builds have an endpoint of that name with other
-actions).
+``bucket_index`` on those two calls and our own ``/weights_checker`` (patched SGLang
+builds have an endpoint of that name with other actions). The endpoints of other
+transports (disk-delta, p2p, ...) come from the receivers installed with them, mounted
+by :func:`create_app` (see ``miles.engines.embedded.receivers``); each receiver's launch
+options are flags of this command.
 
 The engine keeps a prefix cache (see ``miles.engines.embedded.prefix_cache``):
 ``meta_info.cached_tokens`` says how many prompt tokens a request took from it;
@@ -43,6 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
+from miles.engines.embedded.receivers import InstalledReceivers, installed_receivers
 
 log = logging.getLogger("miles.engines.embedded")
 
@@ -245,19 +248,6 @@ class UpdateFromTensorBody(_BucketBody):
     load_format: str | None = None
 
 
-class UpdateFromDiskDeltaBody(_Body):
-    version: int = Field(
-        ...,
-        ge=0,
-        strict=True,
-        description="the delta version to apply: the engine reads DELTA_ROOT/v{version:06d}, DELTA_ROOT being "
-        "its --delta-root (a request cannot name a path)",
-    )
-    weight_version: str | None = Field(
-        None, description="the engine's version afterwards (default: str(version))"
-    )
-
-
 class WeightsCheckerBody(_Body):
     action: Literal["reset_tensors", "checksum"]
     skip: list[str] = Field(default_factory=list, description="state-dict names to leave alone / leave out")
@@ -281,8 +271,11 @@ def _fail(message: str, code: int = 400) -> JSONResponse:
     return JSONResponse({"success": False, "message": message}, status_code=code)
 
 
-def create_app(engine: Any) -> FastAPI:
-    """The FastAPI app around a started :class:`~miles.engines.embedded.engine.EmbeddedEngine`."""
+def create_app(engine: Any, receivers: InstalledReceivers | None = None) -> FastAPI:
+    """The FastAPI app around a started :class:`~miles.engines.embedded.engine.EmbeddedEngine`.
+
+    ``receivers``: the transports' receivers to mount (default: every installed one).
+    """
     from miles.engines.embedded.weights import WeightUpdateError
 
     @contextlib.asynccontextmanager
@@ -340,7 +333,11 @@ def create_app(engine: Any) -> FastAPI:
         done: asyncio.Future = loop.create_future()
 
         def on_done(r: Any) -> None:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))
+            def settle() -> None:
+                if not done.done():
+                    done.set_result(r)
+
+            loop.call_soon_threadsafe(settle)
 
         req.on_done = on_done
         try:
@@ -461,22 +458,6 @@ def create_app(engine: Any) -> FastAPI:
         return await _update(work, abort_all_requests=body.abort_all_requests)
 
     @app.post(
-        "/update_weights_from_disk_delta",
-        summary="Miles extension: apply disk-delta version N from the engine's --delta-root (verified first)",
-        description="Reads DELTA_ROOT/v{version:06d}, the delta from the engine's current (integer) weight "
-        "version, verifies every file and the digest of every resulting tensor while generation goes on, then "
-        "swaps the changed tensors in between two scheduler steps and sets the version (weight_version, default "
-        "str(version)). Any problem is a 400 and leaves the model and version as they were.",
-    )
-    async def update_weights_from_disk_delta(body: UpdateFromDiskDeltaBody) -> Any:
-        def work() -> dict[str, Any]:
-            n = engine.weights.update_from_delta(body.version, body.weight_version)
-            version = body.weight_version if body.weight_version is not None else str(body.version)
-            return _ok(f"Applied delta v{body.version:06d}: {n} tensors changed.{_version_note(version)}")
-
-        return await _update(work)
-
-    @app.post(
         "/update_weights_from_tensor", summary="Load one bucket from hand-off files (staged until the last)"
     )
     async def update_weights_from_tensor(body: UpdateFromTensorBody) -> Any:
@@ -571,17 +552,24 @@ def create_app(engine: Any) -> FastAPI:
             untouched=untouched,
         )
 
-    # Peer-to-peer weight transfer (Mooncake); the package is imported only when a client uses it.
-    from miles.engines.embedded.p2p_routes import p2p_router
-
-    app.include_router(p2p_router(engine))
+    _mount_receivers(app, engine, installed_receivers() if receivers is None else receivers)
     return app
+
+
+def _mount_receivers(app: FastAPI, engine: Any, receivers: InstalledReceivers) -> None:
+    """Add the routes of every installed receiver; one that failed to load is logged, not fatal."""
+    for name, why in sorted(receivers.broken.items()):
+        log.warning("engine receiver %r is not available: %s", name, why)
+    given = engine.options.receiver_options
+    for name, receiver in sorted(receivers.loaded.items()):
+        receiver.mount(app, engine, {o.name: given.get(o.name) for o in receiver.options})
+        log.debug("mounted engine receiver %r", name)
 
 
 # ------------------------------------------------------------------ main
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m miles.engines.embedded",
         description="Miles embedded rollout engine (SGLang-compatible HTTP API)",
@@ -604,11 +592,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for requests without sampling_seed")
     p.add_argument("--weight-version", default="0", help="initial weight version")
     p.add_argument(
-        "--delta-root",
-        default=None,
-        help="directory of disk-delta versions (v000001/, ...) for /update_weights_from_disk_delta",
-    )
-    p.add_argument(
         "--update-timeout-s",
         type=float,
         default=300.0,
@@ -623,6 +606,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    for receiver in receivers.loaded.values() if receivers is not None else ():
+        group = p.add_argument_group(f"{receiver.name} receiver")
+        for option in receiver.options:
+            group.add_argument(option.flag, dest=option.name, default=None, help=option.help)
     return p
 
 
@@ -657,7 +644,8 @@ def _watch_parent(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    receivers = installed_receivers()
+    args = _parser(receivers).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
@@ -701,7 +689,7 @@ def main(argv: list[str] | None = None) -> None:
         handoff_dir=args.handoff_dir,
         seed=args.seed,
         weight_version=args.weight_version,
-        delta_root=args.delta_root,
+        receiver_options={name: getattr(args, name) for name in receivers.option_names},
         update_timeout_s=args.update_timeout_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
     )
@@ -718,7 +706,7 @@ def main(argv: list[str] | None = None) -> None:
         options.port,
     )
     config = uvicorn.Config(
-        create_app(engine),
+        create_app(engine, receivers),
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,

@@ -18,9 +18,10 @@ Sources:
   with ``load_format: miles_safetensors_file``): the colocated path. Names from
   the network are resolved and must stay inside that directory; nothing is
   unpickled;
-- a disk-delta version (``/update_weights_from_disk_delta``): ``ROOT/v{version:06d}``
-  under the ``--delta-root`` the engine was started with, read and verified by
-  :func:`miles.weight_delta.read_delta` against the tensors the model holds.
+- whatever an installed receiver reads (:mod:`miles.engines.embedded.receivers`), e.g.
+  the disk-delta receiver of miles-transports: it reads and verifies a whole update
+  against :meth:`WeightUpdater.cpu_tensors` and commits it with :meth:`WeightUpdater.update`,
+  or stages buckets with :meth:`WeightUpdater.update_bucket` (the p2p receiver).
 
 Multi-bucket updates (broadcast and hand-off) are transactions. A trainer sends one
 update as several calls ("buckets") and puts ``weight_version`` on the last one
@@ -47,7 +48,7 @@ engine serves either the old weights or the new ones, never a mix:
   that restarts a full update without the index collides with its own leftovers at
   the first tensor sent twice: that bucket is refused, everything staged dropped,
   and its next attempt starts clean.
-- Whole updates (from disk, from a delta) commit on their own and leave a staged
+- Whole updates (from disk, from a receiver's ``update``) commit on their own and leave a staged
   update alone: it commits later, on top of whatever the model holds then.
 
 Memory: staging holds at most one copy of each tensor sent so far, cast to the
@@ -178,7 +179,6 @@ class WeightUpdater:
         get_version: Callable[[], str],
         set_version: Callable[[str], None],
         handoff_dir: str | None = None,
-        delta_root: str | None = None,
         update_timeout_s: float = 300.0,
         on_change: Callable[[], object] | None = None,
     ) -> None:
@@ -189,7 +189,6 @@ class WeightUpdater:
         self.targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         self.unique, self.canonical = _dedupe(self.targets)
         self.handoff_dir = Path(handoff_dir).resolve() if handoff_dir else None
-        self.delta_root = Path(delta_root).resolve() if delta_root else None
         self.update_timeout_s = float(update_timeout_s)
         self.groups: dict[str, WeightGroup] = {}
         self.lock = threading.Lock()  # one update at a time, in arrival order
@@ -254,6 +253,18 @@ class WeightUpdater:
                 self._set_version(weight_version)
 
     # --------------------------------------------------------- whole updates
+
+    @property
+    def version(self) -> str:
+        """The engine's weight version (a reader called by ``update`` sees the one its update replaces)."""
+        return self._get_version()
+
+    def cpu_tensors(self) -> Mapping[str, torch.Tensor]:
+        """The model's distinct tensors by name, as CPU tensors copied only when read (none on a CPU engine).
+
+        What a receiver verifies an update against (e.g. the base of a disk delta).
+        """
+        return _CpuTensors(self.unique)
 
     def update(self, read: Callable[[], dict[str, torch.Tensor]], weight_version: str | None) -> int:
         """Read a complete update (checked by ``read``) and commit it; returns the number of tensors."""
@@ -392,45 +403,6 @@ class WeightUpdater:
         """Drop any staged update and its timer (engine shutdown; does not wait for an update in flight)."""
         self._staged = None
         self._cancel_timer()
-
-    # ----------------------------------------------------------- disk delta
-
-    def update_from_delta(self, version: int, weight_version: str | None) -> int:
-        """Apply ``delta_root/v{version:06d}``; returns the number of changed tensors.
-
-        The delta is read and verified (index, base version, paths, sizes, digests of
-        base and result) while generation goes on; only the copy of the verified
-        tensors pauses it. The engine's version must be the delta's base, as an integer.
-        """
-        if self.delta_root is None:
-            raise WeightUpdateError(
-                "this engine was started without --delta-root, so it applies no disk deltas; start it with "
-                "--delta-root DIR (engine option delta_root) naming the directory the trainer publishes to"
-            )
-        from miles.weight_delta import DeltaError, read_delta
-
-        where = f"delta v{version:06d} under {str(self.delta_root)!r}"
-        with self.lock:
-            current = self._get_version()
-            try:
-                base = int(current)
-            except ValueError:
-                raise WeightUpdateError(
-                    f"{where}: the engine's weight version {current!r} is not an integer, so it names no delta "
-                    "base; give the engine an integer version (--weight-version, or a weight update's "
-                    "weight_version)"
-                ) from None
-            try:
-                new = read_delta(self.delta_root, version, _CpuTensors(self.unique), base)
-            except DeltaError as exc:
-                raise WeightUpdateError(f"{where} refused: {exc}") from exc
-            # read_delta verified the bytes; this verifies they fit the model as it is served.
-            try:
-                self.check(((n, t.shape, t.dtype) for n, t in new.items()), exact_dtype=True)
-            except WeightUpdateError as exc:
-                raise WeightUpdateError(f"{where} refused: {exc}") from exc
-            self._commit(new, weight_version if weight_version is not None else str(version))
-            return len(new)
 
     # ------------------------------------------------------- weights checker
 
@@ -608,7 +580,6 @@ class WeightUpdater:
         return {
             "groups": sorted(self.groups),
             "handoff_dir": str(self.handoff_dir) if self.handoff_dir else None,
-            "delta_root": str(self.delta_root) if self.delta_root else None,
             "update_timeout_s": self.update_timeout_s,
             "staged_update": None
             if staged is None

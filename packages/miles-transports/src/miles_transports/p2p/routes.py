@@ -1,7 +1,8 @@
 """HTTP routes of peer-to-peer weight updates (a Miles extension; SGLang has no such endpoints).
 
-Mounted on the embedded engine's app with ``app.include_router(p2p_router(engine))``.
-The sequence a sender follows, per engine (see ``miles_transports.p2p``):
+Registered as the ``p2p`` engine receiver (entry-point group ``miles.engine_receivers``,
+see :mod:`miles.engines.embedded.receivers`): the embedded engine mounts :data:`RECEIVER`,
+which adds ``p2p_router(engine)`` to its app. The sequence a sender follows, per engine (see ``miles_transports.p2p``):
 
 1. ``POST /p2p/init {bucket_bytes, protocol?, hostname?, device_name?}`` ->
    ``{success, message, session, buffer_ptr, buffer_len, protocol}``: the engine's
@@ -27,17 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from miles.engines.embedded.p2p import P2PService
+from miles.engines.embedded.receivers import EngineReceiver
 from miles.engines.embedded.weights import WeightUpdateError
+from miles_transports.p2p.receiver import P2PService
 
-log = logging.getLogger("miles.engines.embedded.p2p")
+log = logging.getLogger("miles_transports.p2p")
 
 
 class _Body(BaseModel):
@@ -145,3 +147,11 @@ def p2p_router(engine: Any) -> APIRouter:
         return await _run("p2p close", work)
 
     return router
+
+
+def mount(app: FastAPI, engine: Any, options: Mapping[str, str | None]) -> None:
+    """Add ``/p2p/init``, ``/p2p/apply`` and ``/p2p/close``; Mooncake is imported only by ``/p2p/init``."""
+    app.include_router(p2p_router(engine))
+
+
+RECEIVER = EngineReceiver(name="p2p", mount=mount)

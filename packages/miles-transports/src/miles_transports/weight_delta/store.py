@@ -28,9 +28,9 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from miles.weight_delta import codec
-from miles.weight_delta.codec import DeltaError
-from miles.weight_delta.index import INDEX_NAME, DeltaIndex, Payload, TensorEntry
+from miles_transports.weight_delta import codec
+from miles_transports.weight_delta.codec import DeltaError
+from miles_transports.weight_delta.index import INDEX_NAME, DeltaIndex, Payload, TensorEntry
 
 _VERSION_DIR = re.compile(r"v(\d{6,})")
 DATA_FILE = "data-{:05d}.bin"

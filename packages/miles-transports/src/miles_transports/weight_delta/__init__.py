@@ -20,13 +20,13 @@ Engine host::
     swap_in(new)                                    # only the changed tensors; params untouched until now
 
 The format (the index, the encodings, the guarantees) is described in
-``docs/disk-delta.md`` and in :mod:`miles.weight_delta.index` and
-:mod:`miles.weight_delta.codec`. Needs numpy, torch, zstandard and xxhash.
+``docs/disk-delta.md`` and in :mod:`miles_transports.weight_delta.index` and
+:mod:`miles_transports.weight_delta.codec`. Needs numpy, torch, zstandard and xxhash.
 """
 
-from miles.weight_delta.codec import DIGESTS, ENCODINGS, DeltaError
-from miles.weight_delta.index import INDEX_NAME, DeltaIndex, Payload, TensorEntry
-from miles.weight_delta.store import (
+from miles_transports.weight_delta.codec import DIGESTS, ENCODINGS, DeltaError
+from miles_transports.weight_delta.index import INDEX_NAME, DeltaIndex, Payload, TensorEntry
+from miles_transports.weight_delta.store import (
     DeltaWriter,
     PublishStats,
     published_versions,

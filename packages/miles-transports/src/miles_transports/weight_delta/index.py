@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from miles.weight_delta.codec import (
+from miles_transports.weight_delta.codec import (
     COMPRESSION,
     DTYPES,
     ENCODINGS,

@@ -2,7 +2,7 @@
 
 A trainer rank (the source) writes each bucket of packed tensor bytes straight into
 this engine's memory with Mooncake's TransferEngine, then tells the engine where
-each tensor lies (``POST /p2p/apply``, see ``p2p_routes``). The engine copies the
+each tensor lies (``POST /p2p/apply``, see :mod:`miles_transports.p2p.routes`). The engine copies the
 tensors out (the buffer is reused by the next bucket) and hands them to the same
 staged, all-or-nothing path as every other multi-bucket update
 (:meth:`~miles.engines.embedded.weights.WeightUpdater.update_bucket`): buckets are
@@ -39,7 +39,7 @@ import torch
 
 from miles.engines.embedded.weights import BucketOutcome, WeightUpdateError, WeightUpdater, parse_dtype
 
-log = logging.getLogger("miles.engines.embedded.p2p")
+log = logging.getLogger("miles_transports.p2p")
 
 #: Protocols Miles passes to Mooncake's ``TransferEngine.initialize``: ``tcp`` runs anywhere
 #: (and is what CPU tests use); ``rdma`` needs the CUDA package and an RDMA NIC.
