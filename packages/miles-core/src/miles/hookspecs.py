@@ -14,13 +14,14 @@ rank hooks see the recipe's values). No hook fires in a rollout engine process.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
 if TYPE_CHECKING:
     import torch
 
+    from miles.config.schema import MilesConfig
     from miles.config.sections import ConfigSection
     from miles.interfaces import CorrectionOutput, LossInputs, LossOutput, TransportStats
     from miles.types import Group, TrainBatch
@@ -38,10 +39,11 @@ def miles_config_sections() -> list[ConfigSection]:
     then carry a top-level key ``name`` validated by ``model``. Two plugins claiming
     one section name is an error naming both.
     """
+    raise NotImplementedError  # a hookspec: pluggy never calls its body
 
 
 @hookspec(historic=True)
-def miles_configure(config: Any) -> None:
+def miles_configure(config: MilesConfig) -> None:
     """The validated run config (driver and rank): configure the plugin from the recipe here.
 
     Fires once in the driver, before any process is spawned (raise ``ConfigError`` to
@@ -57,7 +59,7 @@ def miles_configure(config: Any) -> None:
 
 
 @hookspec
-def miles_on_run_start(config: Any, run_dir: str) -> None:
+def miles_on_run_start(config: MilesConfig, run_dir: str) -> None:
     """The run directory exists and engines are up; nothing has been trained yet (driver)."""
 
 
@@ -143,7 +145,7 @@ def miles_loss_postprocess(output: LossOutput, inputs: LossInputs, kind: str) ->
 
 
 @hookspec
-def miles_correction_postprocess(output: CorrectionOutput, loss_mask: Any) -> None:
+def miles_correction_postprocess(output: CorrectionOutput, loss_mask: torch.Tensor) -> None:
     """Per-token correction weights of one micro-batch, before the loss (rank); mutate in place."""
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from miles.types import GenerateOutput, Group, Prompt, Sample, SamplingParams, TrainBatch
 
@@ -204,9 +204,10 @@ class AgenticContext:
     """The multi-turn and agentic generate functions' settings, resolved by the driver."""
 
     family: Any  # a miles.families ModelFamily: renders, tokenizes suffixes, parses replies
-    session_mode: str = "linear"  # linear | branching
+    session_mode: Literal["linear", "branching"] = "linear"
     matcher: Any = None  # the resolved replay comparison (None: strict)
-    leaf_selection: str = "drop_retries"  # branching sessions: which leaves become samples
+    # branching sessions: which leaves become samples
+    leaf_selection: Literal["drop_retries", "all"] = "drop_retries"
     toolset: ToolSet | None = None
     agent: AgentFn | None = None
     agent_options: dict[str, Any] = field(default_factory=dict)

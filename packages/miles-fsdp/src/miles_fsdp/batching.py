@@ -196,12 +196,11 @@ def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> Mic
         logit_rows.extend(i * seq_len + p - 1 + j for j in range(n))
         targets.extend(r.response_ids)
         slots.extend(i * resp_len + j for j in range(n))
-    as_long = {"dtype": torch.long, "device": device}
     return MicroBatchTensors(
         input_ids=input_ids.to(device),
-        rows=torch.tensor(logit_rows, **as_long),
-        targets=torch.tensor(targets, **as_long),
-        slots=torch.tensor(slots, **as_long),
+        rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        slots=torch.tensor(slots, dtype=torch.long, device=device),
         rollout_logprobs=rollout.to(device),
         advantages=adv.to(device),
         loss_mask=mask.to(device),

@@ -15,7 +15,7 @@ import os
 import random
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -174,7 +174,11 @@ def export_hf(
     ``config_overrides`` are set on the config only while it is written (e.g. to undo
     training-time settings such as ``use_cache=False``).
     """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # A model's full state dict holds only (CPU) tensors, never the other state-dict value types.
+    full = cast(
+        "dict[str, torch.Tensor]",
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+    )
     if dist.get_rank() == 0:
         if dtype is not None:
             full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
@@ -187,7 +191,8 @@ def export_hf(
         for key, value in overrides.items():
             setattr(config, key, value)
         try:
-            model.save_pretrained(directory, state_dict=full, safe_serialization=True)
+            save_pretrained: Any = model.save_pretrained  # a transformers model (sharded in place)
+            save_pretrained(directory, state_dict=full, safe_serialization=True)
         finally:
             for key, value in saved.items():
                 setattr(config, key, value)

@@ -12,7 +12,7 @@ predicts each response token), so one micro-batch layout serves every model.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.errors import ModelError
 from miles_fsdp.config import FSDPOptions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,7 +55,7 @@ def source_dtype(config: Any) -> torch.dtype:
     return DTYPES.get(dtype, torch.float32) if isinstance(dtype, str) else dtype
 
 
-def load_causal_lm(path: str, opts: FSDPOptions, role: str) -> nn.Module:
+def load_causal_lm(path: str, opts: FSDPOptions, role: str) -> PreTrainedModel:
     """A causal LM in float32 master weights (``param_dtype`` only changes the gathered compute copies)."""
     from transformers import AutoModelForCausalLM
 
@@ -72,7 +75,7 @@ class ValueModel(nn.Module):
     plain returns instead of noise from a random head.
     """
 
-    def __init__(self, backbone: nn.Module) -> None:
+    def __init__(self, backbone: PreTrainedModel) -> None:
         super().__init__()
         self.backbone = backbone
         self.value_head = nn.Linear(backbone.config.hidden_size, 1)

@@ -125,7 +125,7 @@ class RankTrainer:
     def _optimizer(self, model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, Any]:
         opts = self.train_opts
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=tuple(opts.betas), eps=opts.eps, weight_decay=opts.weight_decay
+            model.parameters(), lr=lr, betas=opts.betas, eps=opts.eps, weight_decay=opts.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_lambda())
         return optimizer, scheduler
@@ -168,7 +168,8 @@ class RankTrainer:
         if getattr(transport, "wants_base_weights", False):
             # Before any step the policy is exactly the checkpoint the engines loaded: their base.
             with torch.no_grad():
-                transport.seed(iter_full_tensors(self.model), 0)
+                # seed() comes with wants_base_weights (an optional part of the Transport protocol).
+                transport.seed(iter_full_tensors(self.model), 0)  # type: ignore[attr-defined]
         return transport
 
     # ---------------------------------------------------------------- scoring
@@ -200,7 +201,10 @@ class RankTrainer:
         return out
 
     def _scoring_model(self, name: str) -> nn.Module:
-        return self.critic if name == VALUES else self.scorers[name]
+        if name == VALUES:
+            assert self.critic is not None  # values are scored only with a critic
+            return self.critic
+        return self.scorers[name]
 
     def _score_tensor(self, name: str, mb: MicroBatchTensors) -> torch.Tensor:
         if name == VALUES:
@@ -380,7 +384,7 @@ class RankTrainer:
     def _clip_grads(self, model: nn.Module) -> float:
         params = [p for p in model.parameters() if p.grad is not None]
         if self.train_opts.grad_clip is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         else:
             norm = torch.nn.utils.clip_grad_norm_(params, self.train_opts.grad_clip)
         if hasattr(norm, "full_tensor"):
@@ -419,10 +423,16 @@ class RankTrainer:
         # The optimizer and scheduler states carry the hyperparameters of the run that saved them;
         # a resumed run trains with the ones its recipe says now.
         opts = self.train_opts
-        hyper = {"betas": tuple(opts.betas), "eps": opts.eps, "weight_decay": opts.weight_decay}
         for part in self.parts:
             lr = opts.lr if part.name == "model" else self.spec.critic.lr  # type: ignore[union-attr]
-            checkpoint.apply_hyperparameters(part, lr=lr, lr_lambda=self._lr_lambda(), **hyper)
+            checkpoint.apply_hyperparameters(
+                part,
+                lr=lr,
+                lr_lambda=self._lr_lambda(),
+                betas=opts.betas,
+                eps=opts.eps,
+                weight_decay=opts.weight_decay,
+            )
 
     def export_hf(self, directory: str) -> None:
         name = self.opts.export_dtype

@@ -21,7 +21,7 @@ import multiprocessing as mp
 import socket
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Literal
 
 from miles.interfaces import BackendSpec
 
@@ -151,11 +151,18 @@ class RankGroup(abc.ABC):
 class ProcessRanks(RankGroup):
     """Ranks as local processes (``spawn`` or ``forkserver``), one pipe each."""
 
-    def __init__(self, spec: BackendSpec, size: int, *, start_method: str, command_timeout_s: float) -> None:
+    def __init__(
+        self,
+        spec: BackendSpec,
+        size: int,
+        *,
+        start_method: Literal["spawn", "forkserver"],
+        command_timeout_s: float,
+    ) -> None:
         super().__init__(size, command_timeout_s)
         from miles_fsdp.worker import rank_main
 
-        ctx = mp.get_context(start_method)
+        ctx = mp.get_context("spawn") if start_method == "spawn" else mp.get_context("forkserver")
         if start_method == "forkserver":
             ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
         port = free_port()

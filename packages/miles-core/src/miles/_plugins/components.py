@@ -15,7 +15,8 @@ import importlib.util
 import inspect
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from stevedore import DriverManager
 from stevedore.exception import NoMatches
@@ -24,6 +25,25 @@ from stevedore.extension import Extension
 from miles._plugins import discovery, hints
 from miles._plugins.discovery import did_you_mean, group_for
 from miles.errors import ComponentError, MilesError
+
+if TYPE_CHECKING:
+    from miles.interfaces import (
+        AdvantageEstimator,
+        Backend,
+        Buffer,
+        Correction,
+        DataSource,
+        EngineLauncher,
+        EvalBackend,
+        GenerateFn,
+        Loss,
+        RolloutFn,
+        ToolSet,
+        Transport,
+    )
+
+# The kinds whose made component is a plain callable (checked by ``_CALLED_WITH`` where listed).
+CallableKind = Literal["reward", "reward_postprocess", "filter", "session_matcher", "agent"]
 
 # The protocol each kind of component satisfies once made (rewards and filters are plain callables).
 _PROTOCOLS: dict[str, str] = {
@@ -57,6 +77,54 @@ def load_component(kind: str, ref: str) -> Any:
     return _load_driver(kind, group, ref, entries)
 
 
+# ``make_component`` is typed per kind: the result satisfies the kind's protocol (``_PROTOCOLS``,
+# checked at runtime by ``_check_protocol``); other kinds (a plugin's own) are ``Any``.
+@overload
+def make_component(kind: Literal["backend"], ref: str, options: dict[str, Any] | None = None) -> Backend: ...
+@overload
+def make_component(
+    kind: Literal["transport"], ref: str, options: dict[str, Any] | None = None
+) -> Transport: ...
+@overload
+def make_component(kind: Literal["buffer"], ref: str, options: dict[str, Any] | None = None) -> Buffer: ...
+@overload
+def make_component(kind: Literal["loss"], ref: str, options: dict[str, Any] | None = None) -> Loss: ...
+@overload
+def make_component(
+    kind: Literal["correction"], ref: str, options: dict[str, Any] | None = None
+) -> Correction: ...
+@overload
+def make_component(
+    kind: Literal["advantage"], ref: str, options: dict[str, Any] | None = None
+) -> AdvantageEstimator: ...
+@overload
+def make_component(
+    kind: Literal["rollout"], ref: str, options: dict[str, Any] | None = None
+) -> RolloutFn: ...
+@overload
+def make_component(
+    kind: Literal["generate"], ref: str, options: dict[str, Any] | None = None
+) -> GenerateFn: ...
+@overload
+def make_component(
+    kind: Literal["data_source"], ref: str, options: dict[str, Any] | None = None
+) -> DataSource: ...
+@overload
+def make_component(
+    kind: Literal["engine"], ref: str, options: dict[str, Any] | None = None
+) -> EngineLauncher: ...
+@overload
+def make_component(
+    kind: Literal["eval_backend"], ref: str, options: dict[str, Any] | None = None
+) -> EvalBackend: ...
+@overload
+def make_component(kind: Literal["toolset"], ref: str, options: dict[str, Any] | None = None) -> ToolSet: ...
+@overload
+def make_component(
+    kind: CallableKind, ref: str, options: dict[str, Any] | None = None
+) -> Callable[..., Any]: ...
+@overload
+def make_component(kind: str, ref: str, options: dict[str, Any] | None = None) -> Any: ...
 def make_component(kind: str, ref: str, options: dict[str, Any] | None = None) -> Any:
     """``load_component``, then a class is instantiated with ``**options``; other objects are returned as is.
 

@@ -187,7 +187,7 @@ def collect_config_sections(pm: pluggy.PluginManager) -> dict[str, Any]:
         if impl.wrapper or impl.hookwrapper:
             continue
         who = describe(impl.plugin_name)
-        result = impl.function()
+        result: Any = impl.function()  # a plugin's return value, checked below
         items = [result] if isinstance(result, ConfigSection) else list(result or [])
         for section in items:
             if not isinstance(section, ConfigSection):

@@ -10,11 +10,14 @@ recorded the trajectory as truncated).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from miles.builtins.tools import run_tool_calls
 from miles.errors import ComponentError
 from miles.interfaces import AgentResult, AgentTask
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 
 async def tool_agent(task: AgentTask) -> AgentResult:
@@ -38,7 +41,11 @@ async def tool_agent(task: AgentTask) -> AgentResult:
         while turns < task.max_turns:
             try:
                 reply = await client.chat.completions.create(
-                    model=task.options.get("model", "policy"), messages=messages, **task.request, **extra
+                    model=task.options.get("model", "policy"),
+                    # OpenAI chat messages as plain dicts (the session server validates them).
+                    messages=cast("list[ChatCompletionMessageParam]", messages),
+                    **task.request,
+                    **extra,
                 )
             except openai.BadRequestError as exc:
                 if _code(exc) != "context_length_exceeded":

@@ -148,6 +148,9 @@ class ServedTeacher:
                 teacher.score(ids, start=start, temperature=t, top_k=k),
             )
             teacher_ids, teacher_lps = theirs.top_ids, theirs.top_logprobs
+        # score() fills top_ids/top_logprobs when asked with top_k, token_ids_logprobs with token_ids:
+        assert mine.top_ids is not None and mine.top_logprobs is not None
+        assert teacher_ids is not None and teacher_lps is not None
         sample.token_scores[TEACHER_LOGPROBS] = theirs.logprobs
         sample.token_scores[OPD_REVERSE_KL] = reverse_kl_sequence(
             mine.top_ids,

@@ -81,6 +81,7 @@ def session_server(
     from miles.sessions import SessionStore
 
     a = config.agentic
+    assert a is not None  # an AgenticContext is only resolved from an agentic section
     clients = [SGLangClient(url) for url in engine_urls]  # opened on the server's own event loop
     state = ServerState(
         store=SessionStore(mode=agentic.session_mode, matcher=agentic.matcher),

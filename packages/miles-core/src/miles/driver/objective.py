@@ -43,7 +43,8 @@ def resolve_objective(config: MilesConfig, model_path: str) -> Objective:
     alg = config.algorithm
     sft = config.mode == "sft"
     advantage = None if sft else make_component("advantage", alg.advantage, alg.advantage_options)
-    loss_name = alg.loss or ("sft" if sft else getattr(advantage, "default_loss", "ppo_clip"))
+    default_loss: str = "sft" if sft else getattr(advantage, "default_loss", "ppo_clip")
+    loss_name = alg.loss or default_loss
     # Built here only to read what it declares; the trainer builds its own copy in each rank.
     loss = make_component("loss", loss_name, alg.loss_options)
     kind = getattr(loss, "kind", "policy")

@@ -55,13 +55,16 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
 
 from miles.errors import EngineError
 from miles.types import GenerateOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 CHECKER_ACTIONS = ("reset_tensors", "checksum")
@@ -173,7 +176,9 @@ def score_call(
     return EngineCall("POST", "/generate", body)
 
 
-def _per_position(token_ids: Sequence[Any]) -> bool:
+def _per_position(
+    token_ids: Sequence[int] | Sequence[Sequence[int]],
+) -> TypeIs[Sequence[Sequence[int]]]:
     """One id list per position (rather than one flat list of ids)?"""
     return bool(token_ids) and isinstance(token_ids[0], list | tuple)
 
@@ -538,10 +543,9 @@ def parse_score_response(
             out.top_logprobs.append([_logprob(e, where) for e in row])
             out.top_ids.append([int(e[1]) for e in row])
     if token_ids is not None:
-        per_position = _per_position(token_ids)
         out.token_ids_logprobs = []
         for j, row in enumerate(_entries(meta, "input_token_ids_logprobs", expected, where)[1:]):
-            asked = [int(t) for t in (token_ids[j] if per_position else token_ids)]
+            asked = [int(t) for t in (token_ids[j] if _per_position(token_ids) else token_ids)]
             if not isinstance(row, list) or [int(e[1]) for e in row] != asked:
                 raise EngineError(
                     f"{where}: input_token_ids_logprobs at position {start + j} does not answer the ids "

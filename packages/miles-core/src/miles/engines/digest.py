@@ -26,7 +26,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     # Viewing as uint8 reinterprets the bytes (any dtype, including bfloat16 and bool).
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def tensor_digest(t: torch.Tensor) -> str:

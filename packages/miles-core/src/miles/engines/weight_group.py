@@ -154,7 +154,7 @@ def create_weight_group(
     prefixed = dist.PrefixStore(f"miles/{group_name}/", store)
     try:
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, not in torch's stubs
             opts._timeout = timeout
             # Binding gloo to the loopback device when the master is local avoids picking an
             # interface the hostname resolves to but that is not reachable in sandboxes.
@@ -162,10 +162,13 @@ def create_weight_group(
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             else:
                 opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+            pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL = dist.ProcessGroupGloo(
+                prefixed, rank, world_size, opts
+            )
         else:
             torch.cuda.set_device(torch.device(device))
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, timeout)
+            # The stubs list only the Options overload; the constructor also takes a timedelta.
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, timeout)  # type: ignore[arg-type]
     except Exception as exc:
         raise EngineError(
             f"weight group {group_name!r}: rank {rank} of {world_size} failed to join over {backend} "

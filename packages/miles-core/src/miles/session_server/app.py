@@ -125,9 +125,15 @@ class ServerState:
         if self.router is None:
             self.router = Router(self.engines)
 
+    @property
+    def routes(self) -> Router:
+        """``router``, which ``__post_init__`` always sets."""
+        assert self.router is not None
+        return self.router
+
     def place(self, session_id: str) -> int:
         """Bind a new session to an engine (the least active); returns the engine's index."""
-        return self.router.route(session_id, sticky=True).engine_index
+        return self.routes.route(session_id, sticky=True).engine_index
 
     def record(
         self, session_id: str, *, prompt_tokens: int = 0, cached_tokens: int = 0, exhausted: bool = False
@@ -141,7 +147,7 @@ class ServerState:
 
     def release(self, session_id: str) -> SessionUsage:
         """Forget a deleted session's routing; returns its usage (tokens, and whether it ran out)."""
-        self.router.forget(session_id)
+        self.routes.forget(session_id)
         with self._lock:
             return self._usage.pop(session_id, SessionUsage())
 
@@ -249,7 +255,7 @@ def create_app(state: ServerState) -> FastAPI:
         async def generate(input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
             # The session id is the routing key: every turn goes where its prefix is. An
             # EngineError is answered 502 (``engine_error``).
-            async with state.router.request(session_id, sticky=True) as route:
+            async with state.routes.request(session_id, sticky=True) as route:
                 return await route.generate(input_ids, sampling)
 
         try:
@@ -297,9 +303,10 @@ def _sampling(state: ServerState, body: ChatCompletionRequest) -> SamplingParams
         sampling.temperature = body.temperature
     if body.top_p is not None:
         sampling.top_p = body.top_p
-    if body.token_limit() is not None:
+    token_limit = body.token_limit()
+    if token_limit is not None:
         # An agent may ask for fewer tokens than the run allows, never more.
-        sampling.max_new_tokens = min(sampling.max_new_tokens, body.token_limit())  # type: ignore[arg-type]
+        sampling.max_new_tokens = min(sampling.max_new_tokens, token_limit)
     if body.seed is not None:
         sampling.seed = body.seed
     return sampling

@@ -163,7 +163,7 @@ def _same_call(a: ToolCall, b: ToolCall, same_arguments: Callable[[Arguments, Ar
 # ------------------------------------------------------------------------- arguments
 
 _NOT_JSON = object()
-_EMPTY = ("object", {})
+_EMPTY: tuple[str, Any] = ("object", {})
 
 
 def _exact_arguments(a: Arguments, b: Arguments) -> bool:

@@ -53,8 +53,8 @@ def fold_reverse_kl(
 
     precomputed = [s.token_scores.get(OPD_REVERSE_KL) for s in samples]
     teacher_rows = [s.token_scores.get(TEACHER_LOGPROBS) for s in samples]
-    for sample, pre, teacher in zip(samples, precomputed, teacher_rows, strict=True):
-        if pre is None and teacher is None:
+    for sample, pre, teacher_row in zip(samples, precomputed, teacher_rows, strict=True):
+        if pre is None and teacher_row is None:
             raise ValueError(
                 f"distillation: {sample_name(sample)} has neither token_scores[{OPD_REVERSE_KL!r}] (a served "
                 f"teacher's top-K estimate) nor token_scores[{TEACHER_LOGPROBS!r}] (the teacher's log-probs "

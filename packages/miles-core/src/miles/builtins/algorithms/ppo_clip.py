@@ -104,6 +104,9 @@ class PPOClipLoss:
 
         who = self.name
         inputs.need("logprobs", "old_logprobs", "advantages", *sorted(self.requires), who=who)
+        # need() checked them:
+        assert inputs.logprobs is not None and inputs.old_logprobs is not None
+        assert inputs.advantages is not None
         shape = inputs.logprobs.shape
         read = ("old_logprobs", "advantages", "loss_mask", "correction_weights", *sorted(self.requires))
         for name in read:
@@ -152,10 +155,12 @@ class PPOClipLoss:
         if dual_active is not None:
             metrics["dual_clipfrac"] = masked_mean(dual_active, mask)
         if self.kl_coef > 0:
+            assert inputs.ref_logprobs is not None  # in self.requires, so need() checked it
             kl = kl_estimate(logprobs, loss_tokens_only(inputs.ref_logprobs.detach()), self.kl_type)
             loss = loss + self.kl_coef * masked_reduce(kl, mask, inputs, self.reduction)
             metrics["kl_loss"] = masked_mean(kl, mask)
         if self.entropy_coef > 0:
+            assert inputs.entropy is not None  # in self.requires, so need() checked it
             entropy = loss_tokens_only(inputs.entropy)
             loss = loss - self.entropy_coef * masked_reduce(entropy, mask, inputs, self.reduction)
             metrics["entropy"] = masked_mean(entropy, mask)

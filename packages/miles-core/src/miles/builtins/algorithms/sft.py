@@ -37,6 +37,7 @@ class SFTLoss:
         import torch
 
         inputs.need("logprobs", who=self.name)
+        assert inputs.logprobs is not None  # need() checked it
         if inputs.loss_mask.shape != inputs.logprobs.shape:
             raise ValueError(
                 f"{self.name}: loss_mask has shape {tuple(inputs.loss_mask.shape)}, "

@@ -46,6 +46,8 @@ class ClippedValueLoss:
 
         who = self.name
         inputs.need("values", "old_values", "returns", who=who)
+        # need() checked them:
+        assert inputs.values is not None and inputs.old_values is not None and inputs.returns is not None
         shape = inputs.values.shape
         for name in ("old_values", "returns", "loss_mask"):
             tensor = getattr(inputs, name)

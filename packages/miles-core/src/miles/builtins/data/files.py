@@ -96,8 +96,8 @@ def read_jsonl(file: Path) -> Iterator[tuple[Any, Where]]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"{_where(file, 'line', line)()}: not valid UTF-8 text") from None
+        bad_line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{_where(file, 'line', bad_line)()}: not valid UTF-8 text") from None
     # Split on newlines only: JSON strings may legally hold other line separators (U+2028).
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():

@@ -71,4 +71,8 @@ def _load(path: str, split: str, opts: dict[str, Any]) -> Any:
 
 def _rows(dataset: Any, label: str) -> Iterator[tuple[Any, Where]]:
     for i, row in enumerate(dataset):
-        yield row, (lambda i=i: f"{label}, row index {i}")
+        yield row, _row_where(label, i)
+
+
+def _row_where(label: str, i: int) -> Where:
+    return lambda: f"{label}, row index {i}"

@@ -102,4 +102,8 @@ def _records(task: str, entries: list[dict[str, Any]]) -> Iterator[tuple[Any, Wh
             "answer": answer,
             "metadata": entry.get("metadata", {}),
         }
-        yield record, (lambda i=i: f"reasoning_gym task {task!r}, entry {i}")
+        yield record, _entry_where(task, i)
+
+
+def _entry_where(task: str, i: int) -> Where:
+    return lambda: f"reasoning_gym task {task!r}, entry {i}"

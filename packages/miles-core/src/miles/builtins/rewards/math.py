@@ -191,10 +191,10 @@ def to_number(s: str) -> Fraction | None:
             num, den = Fraction(m.group(1)), Fraction(m.group(2))
             return num / den if den else None
         if m := _FRAC.match(s):
-            num, den = to_number(m.group(2)), to_number(m.group(3))
-            if num is None or not den:
+            top, bottom = to_number(m.group(2)), to_number(m.group(3))
+            if top is None or not bottom:
                 return None
-            return -num / den if m.group(1) == "-" else num / den
+            return -top / bottom if m.group(1) == "-" else top / bottom
     except (ValueError, ZeroDivisionError, OverflowError):
         return None
     return None

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from miles.builtins.rollout.prompts import render_prompt_ids
 from miles.interfaces import GenerateFn, RolloutContext
 from miles.plugins import load_component
 from miles.types import Group, Prompt, Sample, Status
+
+if TYPE_CHECKING:
+    from miles.interfaces import GroupRewardFn
 
 
 def is_group_reward(reward: Any) -> bool:
@@ -99,10 +102,12 @@ class GroupRollout:
         if not samples:
             return
         try:
-            values = ctx.reward(samples)
-            if inspect.isawaitable(values):
-                values = await values
-            values = [float(v) for v in values]
+            # ctx.reward is a GroupRewardFn here: the rollout checked is_group_reward(ctx.reward).
+            group_reward = cast("GroupRewardFn", ctx.reward)
+            produced = group_reward(samples)
+            if inspect.isawaitable(produced):
+                produced = await produced
+            values = [float(v) for v in produced]
             if len(values) != len(samples):
                 raise ValueError(f"group reward returned {len(values)} rewards for {len(samples)} samples")
         except Exception as exc:

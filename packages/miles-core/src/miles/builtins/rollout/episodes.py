@@ -3,7 +3,7 @@ episode's settings, and turning a recorded session into the trajectory's samples
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from miles.errors import ConfigError
 from miles.interfaces import AgenticContext, RolloutContext
@@ -32,7 +32,7 @@ def episode_samples(
     session: Session,
     slot: Sample,
     *,
-    selection: str = "drop_retries",
+    selection: Literal["drop_retries", "all"] = "drop_retries",
     truncated: bool = False,
     failure: str | None = None,
     metadata: dict[str, Any] | None = None,

@@ -33,7 +33,9 @@ class RoutingRecorder:
     """Hooks every router once; ``capture()`` turns recording on for one forward pass."""
 
     def __init__(self, model: nn.Module) -> None:
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        # A transformers model's PretrainedConfig (nn.Module types unknown attributes as Tensor | Module).
+        model_config: Any = model.config
+        config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         self.routers = _router_modules(model)
         self.num_experts = int(
             getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0

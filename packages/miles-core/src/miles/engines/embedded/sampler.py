@@ -327,9 +327,9 @@ class Runner:
         keep: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the last ``keep`` columns [B, keep, V], and the routing when recorded."""
-        record = self.recorder is not None and any(r.return_routed_experts for r in rows)
-        if record:
-            self.recorder.start()
+        recorder = self.recorder if any(r.return_routed_experts for r in rows) else None
+        if recorder is not None:
+            recorder.start()
         try:
             out = self.model(
                 input_ids=input_ids,
@@ -340,7 +340,7 @@ class Runner:
                 logits_to_keep=keep,
             )
         finally:
-            routing = self.recorder.stop(*input_ids.shape) if record else None
+            routing = recorder.stop(*input_ids.shape) if recorder is not None else None
         return out.logits, routing
 
     def _spans(self, batch: int, width: int, keep: int) -> list[tuple[int, int, int]]:
@@ -370,7 +370,9 @@ class Runner:
         cold = [r for r, h in zip(rows, hits, strict=True) if h is None]
         warm = [(r, h) for r, h in zip(rows, hits, strict=True) if h is not None]
         batch = self._prefill(cold, [r.sequence for r in cold]) if cold else None
-        return merge_batches(batch, self._prefill_on_hits(warm))
+        merged = merge_batches(batch, self._prefill_on_hits(warm))
+        assert merged is not None  # the hits' batch is never None
+        return merged
 
     def _prefill_on_hits(self, pairs: list[tuple[GenRequest, PrefixHit]]) -> DecodeBatch:
         """Prefill rows on top of their cached prefixes, all in one batch."""
@@ -447,13 +449,14 @@ class Runner:
             if row.logprob_start is not None:
                 row.input_scored = True
         if routed_parts:
-            routing = torch.cat(routed_parts, dim=1)
+            all_routed = torch.cat(routed_parts, dim=1)
             for i, (row, tail, start) in enumerate(zip(rows, tails, starts, strict=True)):
                 end = start + len(tail)
                 if row.return_routed_experts and row.num_routed < end:
                     first = width - end + row.num_routed  # the column of position num_routed
-                    row.routed.append(routing[i, first:].clone())
+                    row.routed.append(all_routed[i, first:].clone())
                     row.num_routed = end
+        assert logits is not None  # _spans yields at least one span
         self._append(rows, logits[:, -1, :])
         return DecodeBatch(rows=list(rows), cache=cache, mask=mask)
 
@@ -469,7 +472,7 @@ class Runner:
         end_col = first_col + logits.shape[1]
         for i, row in enumerate(rows):
             pending = row.pending_input_positions
-            if pending <= 0:
+            if pending <= 0 or row.logprob_start is None:  # (pending is 0 without a logprob_start)
                 continue
             lo, hi = max(first_col, width - 1 - pending), min(end_col, width - 1)
             if lo >= hi:

@@ -278,7 +278,7 @@ class Scheduler:
                 row.kv_generation = cache.generation
                 # At least the last token is fed: its logits give the next token.
                 limit = len(tokens) - 1
-                if row.pending_input_positions > 0:
+                if row.pending_input_positions > 0 and row.logprob_start is not None:  # (always set then)
                     limit = min(limit, row.logprob_start)  # scored positions need their logits
                 hit = cache.lookup(tokens, limit, need_routing=row.return_routed_experts)
                 self.stats["prefix_cache_lookups"] += 1
@@ -327,7 +327,7 @@ class Scheduler:
             return []
         with self._lock:
             room = self.max_batch_size - running
-            new = []
+            new: list[GenRequest] = []
             while self._waiting and len(new) < room:
                 new.append(self._waiting.popleft())
             self._num_running = running + len(new)
