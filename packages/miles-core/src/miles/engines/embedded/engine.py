@@ -9,7 +9,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,11 @@ from miles.engines.embedded.routing import RoutingRecorder
 from miles.engines.embedded.sampler import GenRequest, Runner, cache_is_mergeable
 from miles.engines.embedded.scheduler import Scheduler
 from miles.engines.embedded.weights import WeightUpdater
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from typing_extensions import TypeIs
 
 log = logging.getLogger("miles.engines.embedded")
 
@@ -41,6 +46,11 @@ class EngineOptions:
     update_timeout_s: float = 300.0  # a staged multi-bucket update with no bucket for this long is dropped
     # Most tokens the prefix cache keeps over all its entries (see prefix_cache); 0 disables it.
     prefix_cache_tokens: int = 65536
+
+
+def _is_flat(token_ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    """One flat list of ids (rather than one id list per position)?"""
+    return all(isinstance(x, int) for x in token_ids)
 
 
 def _eos_ids(model: Any) -> set[int]:
@@ -93,7 +103,8 @@ class EmbeddedEngine:
         else:
             dtype = DTYPES[options.dtype]
         self.dtype = dtype
-        model = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype)
+        # Any: transformers' annotations of to() and get_input_embeddings() do not match what they return.
+        model: Any = AutoModelForCausalLM.from_pretrained(options.model_path, dtype=dtype)
         model.to(self.device).eval().requires_grad_(False)
         self.model = model
         self.config = (
@@ -208,6 +219,7 @@ class EmbeddedEngine:
         if (input_ids is None) == (text is None):
             raise ValueError("give exactly one of input_ids and text")
         if input_ids is None:
+            assert text is not None  # exactly one of the two is given
             input_ids = self.tokenize(text)
         n = len(input_ids)
         self._check_ids(input_ids, "input_ids")
@@ -273,7 +285,7 @@ class EmbeddedEngine:
             return fields
         if not token_ids_logprob:
             raise ValueError("token_ids_logprob is empty; leave it out or list token ids")
-        if all(isinstance(x, int) for x in token_ids_logprob):
+        if _is_flat(token_ids_logprob):
             self._check_ids(token_ids_logprob, "token_ids_logprob")
             fields["token_ids_logprob"] = list(token_ids_logprob)
             return fields
@@ -293,7 +305,9 @@ class EmbeddedEngine:
         fields["token_ids_per_position"] = [list(ids) for ids in token_ids_logprob]
         return fields
 
-    def _triples(self, values: list[float | None], ids: list[int], with_text: bool) -> list[list[Any]]:
+    def _triples(
+        self, values: Sequence[float | None], ids: Sequence[int], with_text: bool
+    ) -> list[list[Any]]:
         """SGLang's ``[logprob, token_id, text-or-null]`` entries."""
         pieces: list[str | None] = [None] * len(ids)
         if with_text and self.tokenizer is not None and ids:
@@ -320,13 +334,15 @@ class EmbeddedEngine:
             meta["output_top_logprobs"] = [self._triples(v, i, with_text) for v, i in req.output_top]
         if req.token_ids_logprob is not None or req.token_ids_per_position is not None:
             lists = req.token_ids_per_position[1:] if req.token_ids_per_position is not None else None
+            # Without per-position lists the flat ids are set (and with them there is no output to score).
+            flat = req.token_ids_logprob or []
             asked = [
-                self._triples(v, lists[j] if lists is not None else req.token_ids_logprob, with_text)
+                self._triples(v, lists[j] if lists is not None else flat, with_text)
                 for j, v in enumerate(req.input_ids_logprobs)
             ]
             meta["input_token_ids_logprobs"] = [None, *asked] + [None] * (len(ids) - 1 - len(asked))
             meta["output_token_ids_logprobs"] = [
-                self._triples(v, req.token_ids_logprob, with_text) for v in req.output_ids_logprobs
+                self._triples(v, flat, with_text) for v in req.output_ids_logprobs
             ]
         return meta
 
