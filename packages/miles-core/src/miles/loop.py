@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from miles.config.schema import MilesConfig
+from miles.driver.hooks import Hooks
 from miles.driver.interrupts import StopRequest, stopped_by_signal
 from miles.driver.session import Session
 from miles.driver.start import start_run
@@ -49,7 +50,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     # rank processes, which inherit the environment) would tear it.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     pm = get_plugin_manager()
-    start = start_run(config, resume=resume, overwrite=overwrite, hooks=pm.hook)
+    start = start_run(config, resume=resume, overwrite=overwrite, hooks=Hooks(pm))
     stop = StopRequest()
     state, final_dir = start.state, None
     with Session(config, start, stop, pm) as run:

@@ -6,7 +6,7 @@ import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.config.schema import MilesConfig
 from miles.driver.objective import Objective, resolve_objective
@@ -22,6 +22,9 @@ from miles.interfaces import (
 )
 from miles.plugins import load_component, make_component
 from miles.types import Prompt
+
+if TYPE_CHECKING:
+    from miles.driver.hooks import Hooks
 
 
 @dataclass
@@ -80,14 +83,15 @@ def buffer_policy(config: MilesConfig, filters: list[tuple[str, GroupFilter]]) -
     )
 
 
-def build_components(config: MilesConfig, model_path: str, hooks: Any = None) -> Components:
+def build_components(config: MilesConfig, model_path: str, hooks: Hooks | None = None) -> Components:
     from miles.driver.agentic import resolve_agentic
     from miles.driver.generation import DropLog
 
     if hooks is None:
+        from miles.driver.hooks import Hooks
         from miles.plugins import get_plugin_manager
 
-        hooks = get_plugin_manager().hook
+        hooks = Hooks(get_plugin_manager())
     data_options: dict[str, Any] = config.data.model_dump(exclude={"source"})
     rollout_cls = load_component("rollout", config.rollout.fn)
     # A class takes the generate layer by name; a plain function is the whole rollout itself.

@@ -8,11 +8,14 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.driver.components import Components
 from miles.interfaces import RolloutContext
 from miles.types import Group, Sample, Status
+
+if TYPE_CHECKING:
+    from miles.driver.hooks import Hooks
 
 
 class DropLog:
@@ -23,7 +26,7 @@ class DropLog:
     its last call.
     """
 
-    def __init__(self, hooks: Any) -> None:
+    def __init__(self, hooks: Hooks) -> None:
         self.hooks = hooks
         self._lock = threading.Lock()
         self._counts: dict[str, int] = {}
@@ -53,7 +56,7 @@ class RolloutStage:
         *,
         prompts_per_step: int,
         max_rounds: int,
-        hooks: Any,
+        hooks: Hooks,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.c = components

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
 
 from miles.capabilities import check_needs
 from miles.config.schema import MilesConfig
 from miles.driver.components import Components, build_components
+from miles.driver.hooks import Hooks
 from miles.errors import ConfigError
 
 
@@ -28,18 +28,18 @@ class Preflight:
     components: Components
 
 
-def preflight(config: MilesConfig, hooks: Any = None) -> Preflight:
+def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
     """Check ``config`` the way a run does before it starts anything; raises a ``MilesError``.
 
-    ``hooks`` is the plugin manager's ``pm.hook`` (default: the process's manager).
+    ``hooks``: the plugin manager's hooks (default: the process's manager).
     """
     from miles.models.registry import resolve_model
     from miles.plugins import get_plugin_manager
 
     if hooks is None:
-        hooks = get_plugin_manager().hook
+        hooks = Hooks(get_plugin_manager())
     # Plugins see (and may refuse) the config before anything is written or started.
-    hooks.miles_configure.call_historic(kwargs={"config": config})
+    hooks.miles_configure(config=config)
     # Bad models and datasets fail here, before the run directory is touched.
     model_path = resolve_model(config.model.path)
     components = build_components(config, model_path, hooks)

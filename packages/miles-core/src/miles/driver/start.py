@@ -8,7 +8,7 @@ components, what they need of each other, ports), and a resume's changed setting
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles.config.schema import MilesConfig
 from miles.driver.components import Components
@@ -16,6 +16,9 @@ from miles.driver.preflight import preflight
 from miles.driver.resume import resume_point
 from miles.run_dir import TRAINED_PROMPTS, LoopState, RunDir
 from miles.tracking.jsonl import truncate_after
+
+if TYPE_CHECKING:
+    from miles.driver.hooks import Hooks
 
 
 @dataclass
@@ -29,7 +32,7 @@ class RunStart:
     checkpoint: str | None  # the checkpoint resumed from
 
 
-def start_run(config: MilesConfig, *, resume: bool, overwrite: bool, hooks: Any) -> RunStart:
+def start_run(config: MilesConfig, *, resume: bool, overwrite: bool, hooks: Hooks) -> RunStart:
     from miles.config import dump_config
 
     run = RunDir(config.run_dir, config.run.output_dir)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles.driver.objective import Objective
 from miles.errors import ComponentError
 from miles.interfaces import AdvantageOutput, Backend
 from miles.types import Group, TrainBatch
 
+if TYPE_CHECKING:
+    from miles.driver.hooks import Hooks
+
 
 def make_train_batch(
-    groups: list[Group], objective: Objective, backend: Backend, step: int, hooks: Any
+    groups: list[Group], objective: Objective, backend: Backend, step: int, hooks: Hooks
 ) -> tuple[TrainBatch, dict[str, float]]:
     """Score the kept groups on the trainer if the objective needs it, then turn them into a batch.
 
