@@ -29,6 +29,7 @@ from miles.errors import ComponentError, MilesError
 if TYPE_CHECKING:
     from miles.interfaces import (
         AdvantageEstimator,
+        AgentFn,
         Backend,
         Buffer,
         Correction,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
         EngineLauncher,
         EvalBackend,
         GenerateFn,
+        GroupFilter,
         Loss,
         RolloutFn,
         ToolSet,
@@ -62,6 +64,16 @@ _PROTOCOLS: dict[str, str] = {
 }
 
 
+# ``load_component`` returns what the name points at: for the function kinds that is the component
+# itself (checked when it is made or called); for the others a class or a factory, so ``Any``.
+@overload
+def load_component(kind: Literal["generate"], ref: str) -> GenerateFn: ...
+@overload
+def load_component(kind: Literal["agent"], ref: str) -> AgentFn: ...
+@overload
+def load_component(kind: Literal["filter"], ref: str) -> GroupFilter: ...
+@overload
+def load_component(kind: str, ref: str) -> Any: ...
 def load_component(kind: str, ref: str) -> Any:
     """The object that ``ref`` names among the ``kind`` components (a class, a function, ...).
 
