@@ -13,8 +13,15 @@ engine serves them, recovering engines that died on the way). Everything else ha
   other engines. It is then restarted (killed first if hung; same command, port and log
   file), within a budget of ``engine.max_restarts`` restarts for the whole run.
 - A restarted engine holds the base checkpoint (version 0). It rejoins at once when the
-  fleet serves version 0, else at the next weight update, which brings it to that version.
-  Before that update the backend re-forms its transport's connections to the engines
+  fleet serves version 0. Otherwise, when no other engine is serving (the only engine of the
+  default recipe died mid-rollout, and the rollout cannot finish without it), it is caught up as
+  soon as it is healthy: the trainer's weights are exported as a snapshot and that engine alone
+  loads them at the fleet's version (:meth:`EngineFleet._catch_up`); under colocated placement
+  the trainer is offloaded while the engines generate, so there it waits for the next update
+  like an engine restarted while others serve, which that update brings to its version.
+  The backend is the driver's: the fleet uses it only under ``backend_lock``, which the driver
+  holds around its own backend calls, so a catch-up never runs alongside a train step, a
+  checkpoint or an update. Before the next update the backend re-forms its transport's connections to the engines
   (``backend.reconnect_transport()``, reaching ``Transport.reconnect(engine_urls)`` on every
   rank; a broadcast weight group is formed anew with every engine in it), after waiting for
   restarts in progress so that they are included. Restarts need both: a backend or transport
@@ -44,6 +51,7 @@ from typing import Any
 
 import httpx
 
+from miles.capabilities import resolved_placement
 from miles.config.schema import MilesConfig
 from miles.driver.services import rollout_engines
 from miles.engines import health
@@ -64,6 +72,8 @@ class FleetSettings:
     restart_timeout_s: float = 180.0
     # Why engines are not restarted (None: they are, within max_restarts).
     no_restart_reason: str | None = None
+    # Why a restarted engine cannot be caught up before the next weight update (None: it can).
+    no_catch_up_reason: str | None = None
 
 
 def rejoin_problem(config: MilesConfig) -> str | None:
@@ -108,12 +118,18 @@ def settings_from(config: MilesConfig) -> FleetSettings:
     if reason and eng.max_restarts:
         raise ConfigError(f"engine.max_restarts {eng.max_restarts}: {reason}; or set engine.max_restarts: 0")
     max_restarts = (0 if reason else 3) if eng.max_restarts is None else eng.max_restarts
+    no_catch_up = None
+    if resolved_placement(config) == "colocated":
+        # Offloaded while the engines generate, the trainer refuses every command but onload, and
+        # onloading it then would compete with the engines for the shared devices.
+        no_catch_up = "under colocated placement the trainer is offloaded while the engines generate"
     return FleetSettings(
         health_check_interval_s=eng.health_check_interval_s,
         health_timeout_s=eng.health_timeout_s,
         max_restarts=max_restarts,
         restart_timeout_s=eng.startup_timeout_s,
         no_restart_reason=reason if max_restarts == 0 else None,
+        no_catch_up_reason=no_catch_up,
     )
 
 
@@ -126,6 +142,7 @@ class _Engine:
     phase: str = "serving"
     fault_at: float | None = None  # when its current fault was detected
     fault: str | None = None
+    starts: int = 0  # processes that rejoined: tells a catch-up whether its process is still the one
 
 
 @dataclass
@@ -141,6 +158,7 @@ class Recovery:
 class _Counters:
     restarts: int = 0
     faults: int = 0
+    catch_ups: int = 0  # restarted engines brought to the fleet's version before the next update
     check_cpu_s: float = 0.0  # CPU time the supervisor thread spent on health checks (its whole cost here)
     recoveries: list[Recovery] = field(default_factory=list)
 
@@ -175,6 +193,16 @@ class EngineFleet:
         # connections: when the counts differ, the next update reconnects first.
         self._rejoined = 0
         self._reconnected = 0
+        # Serializes use of the driver's backend: the driver holds it around its own backend calls
+        # (training, scoring, checkpoints, exports) and update_weights takes it, so a catch-up from a
+        # supervisor thread never runs alongside them. Re-entrant: the driver may hold it when it
+        # calls update_weights. Order: backend_lock before _lock, never the other way round.
+        self.backend_lock = threading.RLock()
+        # The backend the weights come from, known from the first update_weights (until then the
+        # fleet serves its start version, which a restarted engine already holds).
+        self._backend: Any = None
+        # Engines with a catch-up pending or running, and the thread doing it.
+        self._catching_up: dict[str, threading.Thread] = {}
         self._threads: list[threading.Thread] = []
         self._http = httpx.Client(timeout=settings.health_timeout_s, trust_env=False)
 
@@ -217,6 +245,11 @@ class EngineFleet:
         Engines that died or hung on the way are restarted and brought to ``version`` from a
         snapshot of the trainer's weights; see the module docstring.
         """
+        with self.backend_lock:
+            self._backend = backend
+            return self._update_weights(backend, version)
+
+    def _update_weights(self, backend: Any, version: int) -> TransportStats:
         t0 = time.perf_counter()
         faults_before = self.board.faults
         with self._lock:
@@ -280,6 +313,7 @@ class EngineFleet:
                 "engine/retried_requests": float(self.board.retried_requests),
                 "engine/quarantined": float(len(self.urls) - len(self.board.available_urls())),
                 "engine/health_check_cpu_s": c.check_cpu_s,
+                "engine/catch_ups": float(c.catch_ups),
             }
             if c.recoveries:
                 out["engine/last_recovery_s"] = c.recoveries[-1].seconds
@@ -366,6 +400,8 @@ class EngineFleet:
             thread.start()
         if not any(e.phase in ("serving", "restarting", "behind") for e in self._engines.values()):
             self._give_up(engine, "no engine is left")
+            return
+        self._catch_up_if_needed()  # the last serving engine may be the one that just went out
 
     def _restart(self, engine: _Engine) -> None:
         log.warning("engine %d at %s: restarting", engine.index, engine.url)
@@ -382,6 +418,7 @@ class EngineFleet:
     def _rejoin(self, engine: _Engine) -> None:
         """A (re)started engine: serve now if it holds the fleet's version, else wait for the next update."""
         self._rejoined += 1  # a new process: the transport's connections must be re-formed (lock held)
+        engine.starts += 1
         try:
             held = SyncEngineClient(engine.url, timeout=self.settings.health_timeout_s).weight_version()
         except EngineError as exc:
@@ -392,11 +429,128 @@ class EngineFleet:
         else:
             engine.phase = "behind"
             log.warning(
-                "engine %d at %s: back with weight version %d; rejoins at the next weight update",
+                "engine %d at %s: back with weight version %d; rejoins at the next weight update"
+                " unless it is caught up before (no other engine serving)",
                 engine.index,
                 engine.url,
                 held,
             )
+            self._catch_up_if_needed()
+
+    # ------------------------------------------------------------ catch-up before the next update
+
+    def _catch_up_if_needed(self) -> None:
+        """No engine serves (lock held): catch the ones that are back but behind up now, since
+        requests waiting for an engine would otherwise wait for an update that needs them done."""
+        if self._updating or self._stop.is_set():
+            return  # an update in progress brings every engine to its version itself
+        if any(e.phase == "serving" for e in self._engines.values()):
+            return  # the others carry the rollout; the next update brings it back
+        behind = [e for e in self._engines.values() if e.phase == "behind" and e.url not in self._catching_up]
+        if not behind:
+            return
+        reason = self.settings.no_catch_up_reason
+        if reason is None and self._backend is None:
+            reason = (
+                "the fleet has no weights to catch up from yet"  # no update yet: it serves its start version
+            )
+        if reason is not None:
+            log.warning(
+                "no engine is serving and %s cannot be caught up before the next weight update (%s); "
+                "requests wait for an engine",
+                ", ".join(f"engine {e.index}" for e in behind),
+                reason,
+            )
+            return
+        for engine in behind:
+            thread = threading.Thread(
+                target=self._catch_up,
+                args=(engine,),
+                name=f"miles-engine-catch-up-{engine.index}",
+                daemon=True,
+            )
+            self._catching_up[engine.url] = thread
+            self._threads.append(thread)
+            thread.start()
+
+    def _catch_up(self, engine: _Engine) -> None:
+        """Bring ``engine`` (restarted, behind) to the fleet's version from a snapshot, then admit it.
+
+        Waits for the backend (``backend_lock``): the driver's backend calls come first, and no
+        update can change the fleet's version while this runs. The engine was restarted, so the
+        next update still re-forms the transport's connections first (``_reconnect_if_due``).
+        """
+        try:
+            with self.backend_lock:
+                with self._lock:
+                    version, starts = self._version, engine.starts
+                    if self._stop.is_set() or engine.phase != "behind" or version is None:
+                        return  # an update admitted it meanwhile, or it failed again
+                t0 = time.perf_counter()
+                try:
+                    self._bring_to(self._backend, version, [engine.url])
+                except Exception as exc:  # the engine or the backend; which one, the checks below say
+                    self._catch_up_failed(engine, version, starts, exc)
+                    return
+                with self._lock:
+                    if engine.phase != "behind" or engine.starts != starts:
+                        self._restarted_meanwhile(engine)
+                        return
+                    self._rejoin_checked(engine, version)  # admitted only if it reports ``version``
+                    if engine.phase == "serving":
+                        self._counters.catch_ups += 1
+                        log.warning(
+                            "engine %d at %s: caught up to weight version %d in %.1f s",
+                            engine.index,
+                            engine.url,
+                            version,
+                            time.perf_counter() - t0,
+                        )
+                    else:
+                        self._catch_up_failed(engine, version, starts, None)
+        finally:
+            with self._lock:
+                self._done_catching_up(engine)
+
+    def _done_catching_up(self, engine: _Engine) -> None:
+        # Only this thread's entry: a later restart of the engine may have started another catch-up.
+        if self._catching_up.get(engine.url) is threading.current_thread():
+            del self._catching_up[engine.url]
+
+    def _restarted_meanwhile(self, engine: _Engine) -> None:
+        """The engine went out while it loaded (lock held): the supervisor handles that fault, and a
+        process that came back since has its own catch-up to do, which this one kept from starting."""
+        self._done_catching_up(engine)
+        self._catch_up_if_needed()
+
+    def _catch_up_failed(self, engine: _Engine, version: int, starts: int, exc: Exception | None) -> None:
+        problem = self._probe(engine.url)  # did the engine fail, or the catch-up?
+        with self._lock:
+            if self._stop.is_set():
+                return  # the run is ending
+            if engine.phase != "behind" or engine.starts != starts:
+                self._restarted_meanwhile(engine)
+                return
+            self._done_catching_up(engine)  # before _fault: its restart may need a new catch-up
+            if problem is not None:
+                self._fault(engine, problem)  # a new fault of the engine: restarted within the budget
+                return
+            what = (
+                f"loading weight version {version} failed: {exc}"
+                if exc
+                else f"it did not report version {version} after loading it"
+            )
+            if self.board.failed is None and not any(e.phase == "serving" for e in self._engines.values()):
+                # Nothing else can finish the rollout: one line, instead of requests waiting out the router.
+                engine.fault = f"restarted, but its catch-up failed ({what})"
+                self._give_up(engine, "no engine is left")
+            else:
+                log.warning(
+                    "engine %d at %s: catch-up failed (%s); rejoins at the next update",
+                    engine.index,
+                    engine.url,
+                    what,
+                )
 
     def _admit(self, engine: _Engine) -> None:
         if engine.fault_at is not None:

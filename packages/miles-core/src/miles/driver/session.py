@@ -59,9 +59,10 @@ class RLStage:
             s.console.show_samples(groups)
         batch = None
         if groups:
-            batch, adv_metrics = make_train_batch(
-                groups, s.start.components.objective, s.backend, step, s.hooks
-            )
+            with s.backend_use():  # scoring runs on the trainer's ranks
+                batch, adv_metrics = make_train_batch(
+                    groups, s.start.components.objective, s.backend, step, s.hooks
+                )
             metrics |= adv_metrics
         return StepBatch(batch, metrics, [g.prompt.index for g in groups])
 
@@ -186,7 +187,8 @@ class Session:
     def train(self, step: int, batch: TrainBatch | None) -> dict[str, float]:
         if batch is None:
             return {"train/skipped": 1.0}
-        return dict(self.hooks.miles_train_step(step=step, batch=batch) or {})
+        with self.backend_use():
+            return dict(self.hooks.miles_train_step(step=step, batch=batch) or {})
 
     def state_after(self, step: int) -> LoopState:
         data = self.start.components.data_source.state_dict()
@@ -199,7 +201,8 @@ class Session:
 
     def save(self, state: LoopState) -> None:
         staging = self.run.staging_dir(state.step)
-        self.backend.save_checkpoint(os.path.join(staging, "trainer"))
+        with self.backend_use():
+            self.backend.save_checkpoint(os.path.join(staging, "trainer"))
         self.checkpoint = self.run.commit_checkpoint(
             staging, state.step, state, self.config.run.keep_checkpoints
         )
@@ -245,7 +248,8 @@ class Session:
         final_dir = None
         if self.config.run.export_hf:
             final_dir = self.run.sub("final")
-            self.backend.export_hf(final_dir)
+            with self.backend_use():
+                self.backend.export_hf(final_dir)
         self.status = "completed"
         return final_dir
 
@@ -253,6 +257,11 @@ class Session:
         self.hooks.miles_on_run_end(run_dir=self.run.path, status=self.status)
 
     # ------------------------------------------------------------- helpers
+
+    def backend_use(self) -> contextlib.AbstractContextManager[object]:
+        """Held around the driver's backend calls: the fleet catches a restarted engine up from the
+        trainer's weights on its own thread, and must not use the backend at the same time."""
+        return self.fleet.backend_lock if self.fleet is not None else contextlib.nullcontext()
 
     def _update_due(self, step: int) -> bool:
         if self.config.schedule == "sync":
@@ -337,10 +346,16 @@ def _evaluator(session: Session, ctx: RolloutContext, engine_urls: list[str]) ->
         agentic=ctx.agentic,
         run_dir=session.run.path,
         engine_urls=engine_urls,
-        export_snapshot=session.backend.export_hf,
+        export_snapshot=lambda directory: _locked_export(session, directory),
         pause_production=pause,
         weights_lock=session.weights_lock,
     )
+
+
+def _locked_export(session: Session, directory: str) -> None:
+    """The evaluator's snapshot export runs on its own thread: it takes its turn on the backend."""
+    with session.backend_use():
+        session.backend.export_hf(directory)
 
 
 def _rollout_context(

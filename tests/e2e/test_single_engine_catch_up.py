@@ -1,0 +1,71 @@
+"""The only engine dies after the weights moved on: it is restarted and caught up before it rejoins.
+
+A restarted engine holds the base weights (version 0). With several engines the others carry the
+rollout until the next weight update brings it back; with one (the default recipe's
+``engine.num_engines: 1``) nothing could finish the step's rollout, so the fleet brings it to
+the version it served as soon as it is healthy again (a snapshot of the trainer's weights,
+loaded into that engine alone). The faults are injected as in ``test_engine_faults``: its
+generate function signals the engine mid-rollout, here at step 2, after two weight updates.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from e2e.test_engine_faults import Fault, Outcome, Plan, _assert_complete, _config, _run
+
+pytestmark = pytest.mark.slow
+
+ONE_ENGINE = ["engine.num_engines=1", "run.num_steps=4", "run.save_every=null"]
+
+
+def _check_caught_up(out: Outcome) -> None:
+    assert out.error is None, out.error
+    assert out.plan.faults[0].fired_at is not None
+    assert [r["step"] for r in out.rows] == [0, 1, 2, 3]
+    step1, step2, step3 = out.rows[1], out.rows[2], out.rows[3]
+    assert step1["engine/restarts"] == 0
+    assert step2["engine/faults"] == 1 and step2["engine/restarts"] == 1
+    assert step2["engine/retried_requests"] >= 1
+    # Caught up mid-rollout, so the step's own update was an ordinary one (no snapshot recovery).
+    assert "weight_sync/recovered" not in step2
+    assert step2["engine/catch_ups"] == 1
+    assert step3["engine/quarantined"] == 0
+    assert [r["engine/weight_version"] for r in out.rows] == [1, 2, 3, 4]
+    _assert_complete(out.rec, [0, 1, 2, 3])
+    # The samples of step 2 that finished after the restart come from the caught-up engine, at the
+    # version it was brought to (2), not from its base weights (0).
+    versions = {v for s in out.rec.samples[2] for v in s.weight_versions}
+    assert versions == {2}, versions
+
+
+@pytest.fixture(scope="module")
+def broadcast_run(tmp_path_factory) -> Outcome:
+    config = _config(tmp_path_factory, "one_bcast", *ONE_ENGINE, "transport=broadcast")
+    return _run(config, Plan([Fault(signal.SIGKILL, step=2, engine=0, where="rollout")]))
+
+
+def test_the_only_engine_killed_at_step_2_is_caught_up_and_the_run_finishes(broadcast_run):
+    out = broadcast_run
+    _check_caught_up(out)
+    # The update after the restart re-formed the broadcast group with the caught-up engine in it and
+    # compared every tensor with the trainer's (weight_sync.check_equal): it holds the trainer's weights.
+    step0, step2, step3 = out.rows[0], out.rows[2], out.rows[3]
+    assert step0["weight_sync/checked_tensors"] > 0
+    assert step2["weight_sync/checked_tensors"] == step0["weight_sync/checked_tensors"]
+    assert "weight_sync/checked_tensors" not in step3
+
+
+@pytest.fixture(scope="module")
+def disk_delta_run(tmp_path_factory) -> Outcome:
+    config = _config(tmp_path_factory, "one_delta", *ONE_ENGINE, "transport=disk-delta")
+    return _run(config, Plan([Fault(signal.SIGKILL, step=2, engine=0, where="rollout")]))
+
+
+def test_disk_delta_the_caught_up_engine_takes_the_next_delta(disk_delta_run):
+    out = disk_delta_run
+    _check_caught_up(out)
+    # The snapshot it loaded is the base the next delta applies to: no recovery in any later update.
+    assert all("weight_sync/recovered" not in r for r in out.rows)
