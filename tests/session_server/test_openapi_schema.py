@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import pytest
 
-# schemathesis brings jsonschema in the dev environment; a machine without it (the GPU one) skips.
-jsonschema = pytest.importorskip("jsonschema")
-
 from miles.engines.launchers import free_port
 from session_server.conftest import session_server
+
+# schemathesis brings jsonschema in the dev environment; a machine without it (the GPU one) skips.
+jsonschema = pytest.importorskip("jsonschema")
 
 CHAT = "/sessions/{session_id}/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Say hi."}]
