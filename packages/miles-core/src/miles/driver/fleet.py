@@ -257,10 +257,9 @@ class EngineFleet:
             behind = [e.url for e in self._engines.values() if e.phase == "behind"]
         try:
             error: Exception | None = None
-            stats = None
             try:
                 self._reconnect_if_due(backend)
-                stats = backend.update_weights(version)
+                stats: TransportStats = backend.update_weights(version)  # read only when no error
             except Exception as exc:  # a rank or an engine failed; decided below whose fault it is
                 error = exc
             wrong = self._wrong_versions(version)

@@ -16,12 +16,13 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.config.schema import MilesConfig
 from miles.driver.agentic import fleet_dp_sizes, session_server
 from miles.driver.fleet import EngineFleet, engine_fleet
 from miles.driver.generation import RolloutStage, SyncGeneration
+from miles.driver.hooks import Hooks
 from miles.driver.interrupts import StopRequest
 from miles.driver.services import describe_update, offloaded_while, placement_session, served_teacher, trainer
 from miles.driver.sft import SFTStage
@@ -31,6 +32,9 @@ from miles.interfaces import Backend, RolloutContext
 from miles.run_dir import LoopState, RunDir
 from miles.tracking.jsonl import JsonlTracker
 from miles.types import SamplingParams, TrainBatch
+
+if TYPE_CHECKING:
+    from types import TracebackType
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ class Session:
         self.run: RunDir = start.run
         self.stop = stop
         self.pm = pm
-        self.hooks = pm.hook
+        self.hooks = Hooks(pm)
         self.rl = config.mode == "rl"
         self.status = "failed"  # what the marker says if the run ends any other way than below
         self.checkpoint = start.checkpoint
@@ -114,8 +118,13 @@ class Session:
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stack.__exit__(*exc)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stack.__exit__(exc_type, exc, tb)
 
     def _open(self, stack: contextlib.ExitStack) -> None:
         config, start, loop = self.config, self.start, self.loop
@@ -286,7 +295,7 @@ def _generation(
     ctx: RolloutContext,
     fleet: EngineFleet,
     loop: asyncio.AbstractEventLoop,
-    hooks: Any,
+    hooks: Hooks,
     console: Any,
 ) -> Any:
     """The schedule's generation side: a synchronous stage, or a started fully asynchronous worker."""
