@@ -313,7 +313,8 @@ class Compressor:
         self._ctx = zstandard.ZstdCompressor(level=level, threads=threads, write_content_size=True)
 
     def compress(self, data: np.ndarray) -> bytes:
-        return self._ctx.compress(data)
+        # The array's own buffer (no copy); numpy's stubs do not type an ndarray as a buffer on 3.11.
+        return self._ctx.compress(data.data)
 
 
 def decompress(data: bytes | memoryview, raw_length: int) -> bytes:

@@ -462,7 +462,9 @@ class WeightUpdater:
 
         dtype = next(iter(self.targets.values())).dtype
         try:
-            fresh, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+            # With output_loading_info it returns (model, info); transformers' annotation says the model alone.
+            loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+            fresh, info = loaded
         except Exception as exc:
             raise WeightUpdateError(f"cannot load {model_path!r}: {type(exc).__name__}: {exc}") from exc
         if type(fresh) is not type(self.model):
