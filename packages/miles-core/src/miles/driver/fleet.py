@@ -257,13 +257,15 @@ class EngineFleet:
             behind = [e.url for e in self._engines.values() if e.phase == "behind"]
         try:
             error: Exception | None = None
+            stats: TransportStats | None = None  # None: the update raised before it reported
             try:
                 self._reconnect_if_due(backend)
-                stats: TransportStats = backend.update_weights(version)  # read only when no error
+                stats = backend.update_weights(version)
             except Exception as exc:  # a rank or an engine failed; decided below whose fault it is
                 error = exc
             wrong = self._wrong_versions(version)
             if error is None and not wrong:
+                assert stats is not None  # no error: the backend returned its stats
                 self._serve(version)
                 return stats
             if self.supervised:
