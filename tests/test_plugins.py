@@ -404,7 +404,9 @@ def test_list_plugins_marks_disabled_hooks() -> None:
 @pytest.mark.parametrize(
     ("kind", "ref", "expected"),
     [
-        ("loss", "builtins:print", "flush=False) and declares no parameter for inputs; a loss is called as loss(inputs)"),
+        # print's signature text depends on whether something earlier in the process wrapped it (in a
+        # full CI run it read "(*args, **kwargs)"): only the verdict is checked.
+        ("loss", "builtins:print", "and declares no parameter for inputs; a loss is called as loss(inputs)"),
         ("reward", "math:pi", "reward 'math:pi' must be callable, got float"),
         ("correction", "os.path:exists", "takes (path), but a correction is called as "
          "correction(old_logprobs, rollout_logprobs, loss_mask)"),
