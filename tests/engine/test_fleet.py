@@ -122,3 +122,23 @@ def test_an_error_the_engine_answers_with_is_not_retried(fleet):
         asyncio.run(go())
     assert "HTTP 4" in str(info.value)
     assert fleet.board.retried_requests == retried
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["engine.urls=[http://127.0.0.1:1]"], "Miles did not start them and cannot restart them"),
+        (["placement.launcher=ray"], "placement.launcher 'ray' does not restart engines yet"),
+        (["transport=p2p"], "transport 'p2p' cannot re-form its connections"),
+    ],
+)
+def test_restarts_these_engines_cannot_take_are_refused_in_one_line(overrides, reason):
+    from miles.config import load_recipe
+    from miles.driver.fleet import settings_from
+    from miles.errors import ConfigError
+
+    config = load_recipe("default", [*overrides, "engine.max_restarts=2"])
+    with pytest.raises(ConfigError, match=reason):
+        settings_from(config)
+    # Left unset, the same recipe runs with restarts off instead of being refused.
+    assert settings_from(load_recipe("default", overrides)).max_restarts == 0

@@ -499,17 +499,9 @@ class MilesConfig(Section):
                 "engine.max_restarts needs health checks to find a dead engine; set "
                 "engine.health_check_interval_s > 0 or engine.max_restarts: 0"
             )
-        why = None
-        if eng.urls:
-            why = (
-                "the engines are attached to (engine.urls): Miles did not start them and cannot restart them"
-            )
-        elif self.placement.launcher == "ray":
-            why = "placement.launcher 'ray' does not restart engines yet"
-        # Whether the backend and transport can rejoin a restarted engine is theirs to say: the
-        # fleet asks them before any engine starts (miles.driver.fleet.rejoin_problem).
-        if why:
-            raise ValueError(f"engine.max_restarts {eng.max_restarts}: {why}; or set engine.max_restarts: 0")
+        # Whether these engines can be restarted at all (attached ones, Ray-placed ones, a backend or
+        # transport that cannot rejoin them) is decided with the components loaded, in the run's
+        # pre-flight: miles.driver.fleet.settings_from.
 
     @property
     def run_dir(self) -> str:

@@ -45,6 +45,10 @@ def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
     components = build_components(config, model_path, hooks)
     try:
         check_needs(config)  # the components fit together (transport, engine kind, generate fn, filters)
+        if config.mode == "rl":
+            from miles.driver.fleet import settings_from
+
+            settings_from(config)  # an explicit engine.max_restarts these engines cannot honour is refused
         check_rank_components(config, components)
         check_engine_ports(config)
     except BaseException:
