@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from miles.config.schema import MilesConfig
 
 PlacementMode = Literal["colocated", "disaggregated"]
+# The placement mode in which trainer and engines share the devices (the trainer is offloaded while
+# the engines generate). A placement mode, not a component: the transport of that name declares it.
+SHARED_DEVICES: PlacementMode = "colocated"
 T = TypeVar("T")
 
 
@@ -149,6 +152,11 @@ def resolved_placement(config: MilesConfig) -> PlacementMode:
     return transport_needs(config).placement or "disaggregated"
 
 
+def shares_devices(config: MilesConfig) -> bool:
+    """Whether the run's trainer and engines share devices (placement.mode, or the transport's own)."""
+    return resolved_placement(config) == SHARED_DEVICES
+
+
 def check_needs(config: MilesConfig) -> None:
     """Refuse a recipe whose components do not fit together (loads the components it asks about)."""
     if config.mode != "rl":
@@ -169,7 +177,7 @@ def _check_transport(config: MilesConfig) -> None:
             f"transport {name} runs under placement.mode {needs.placement!r}, but the recipe sets "
             f"{placement!r}; choose another transport or placement.mode: {needs.placement}"
         )
-    if config.schedule == "fully_async" and placement == "colocated":
+    if config.schedule == "fully_async" and placement == SHARED_DEVICES:
         raise ConfigError(
             "schedule 'fully_async' needs a disaggregated placement (engines generate while the trainer "
             f"trains, so they cannot share its devices); transport {name} with placement.mode 'colocated' "

@@ -32,14 +32,13 @@ hookspec = pluggy.HookspecMarker("miles")
 
 
 @hookspec
-def miles_config_sections() -> list[ConfigSection]:
+def miles_config_sections() -> list[ConfigSection] | None:
     """Contribute typed config sections (driver, at start-up, before the recipe is validated).
 
     Return ``ConfigSection(name=..., model=SomePydanticModel)`` records; the recipe may
     then carry a top-level key ``name`` validated by ``model``. Two plugins claiming
-    one section name is an error naming both.
+    one section name is an error naming both. Returning None contributes nothing.
     """
-    raise NotImplementedError  # a hookspec: pluggy never calls its body
 
 
 @hookspec(historic=True)

@@ -463,12 +463,8 @@ class MilesConfig(Section):
                 raise ValueError("eval scores rollouts on engines; mode 'sft' starts none (remove eval)")
             return self
         if self.schedule == "fully_async":
-            if self.placement.mode == "colocated":
-                raise ValueError(
-                    "schedule 'fully_async' needs a disaggregated placement (engines generate while the trainer "
-                    "trains, so they cannot share its devices); set placement.mode: disaggregated, or use "
-                    "schedule: sync"
-                )
+            # A fully asynchronous schedule on shared devices is refused with the transport's placement
+            # in view (miles.capabilities.check_needs).
             fa = self.fully_async
             if fa.max_inflight is not None and fa.max_inflight < self.rollout.n_samples_per_prompt:
                 raise ValueError(

@@ -51,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from miles.capabilities import resolved_placement
+from miles.capabilities import shares_devices
 from miles.config.schema import MilesConfig
 from miles.driver.services import rollout_engines
 from miles.engines import health
@@ -119,7 +119,7 @@ def settings_from(config: MilesConfig) -> FleetSettings:
         raise ConfigError(f"engine.max_restarts {eng.max_restarts}: {reason}; or set engine.max_restarts: 0")
     max_restarts = (0 if reason else 3) if eng.max_restarts is None else eng.max_restarts
     no_catch_up = None
-    if resolved_placement(config) == "colocated":
+    if shares_devices(config):
         # Offloaded while the engines generate, the trainer refuses every command but onload, and
         # onloading it then would compete with the engines for the shared devices.
         no_catch_up = "under colocated placement the trainer is offloaded while the engines generate"

@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from miles import hookimpl
-from miles.capabilities import EnginePrep, EngineSetup, engine_capabilities, resolved_placement
+from miles.capabilities import (
+    EnginePrep,
+    EngineSetup,
+    engine_capabilities,
+    resolved_placement,
+    shares_devices,
+)
 from miles.config.schema import MilesConfig
 from miles.driver.objective import Objective
 from miles.errors import ConfigError, EngineError
@@ -134,7 +140,7 @@ def trainer(
         config=config.model_dump(mode="json"),  # so that miles_configure fires in the ranks too
     )
     backend: Backend = make_component("backend", config.backend)
-    if rl and resolved_placement(config) == "colocated":
+    if rl and shares_devices(config):
         missing = [m for m in ("offload", "onload") if not callable(getattr(backend, m, None))]
         if missing:
             raise ConfigError(
@@ -250,7 +256,7 @@ def placement_session(config: MilesConfig) -> Iterator[None]:
 @contextlib.contextmanager
 def offloaded_while(config: MilesConfig, backend: Any) -> Iterator[None]:
     """Colocated placement: the trainer's state leaves the shared devices while the engines generate."""
-    if resolved_placement(config) != "colocated":
+    if not shares_devices(config):
         yield
         return
     backend.offload()
