@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from typing import Any
 
@@ -26,7 +27,14 @@ from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import BackendSpec, TransportStats
 from miles.types import Sample, TrainBatch
-from miles_fsdp.batching import check_batch, split_batch, split_for_scoring
+from miles_fsdp.batching import (
+    OLD_LOGPROBS,
+    check_batch,
+    mini_batches,
+    split_batch,
+    split_for_scoring,
+    sub_batch,
+)
 from miles_fsdp.config import FSDPOptions
 from miles_fsdp.ranks import RankFailedError, RankGroup, free_port
 
@@ -49,6 +57,7 @@ class FSDPBackend:
         self.spec: BackendSpec | None = None
         self.train_opts: TrainSection | None = None
         self.opts: FSDPOptions | None = None
+        self._kind: str | None = None
 
     # ----------------------------------------------------------------- set-up
 
@@ -56,6 +65,9 @@ class FSDPBackend:
         if self._ranks is not None and self._ranks.broken is None:
             raise RuntimeError("FSDPBackend.setup called twice; shut it down first")
         self.train_opts, self.opts = _validate_options(spec.options)
+        from miles_fsdp.schedule import decay_steps
+
+        decay_steps(self.train_opts, spec.config)  # a schedule with nothing to span fails here, once
         launcher = spec.placement.get("launcher", "local")
         if launcher not in LAUNCHERS:
             raise ConfigError(f"fsdp: placement launcher {launcher!r} is not one of {list(LAUNCHERS)}")
@@ -97,6 +109,7 @@ class FSDPBackend:
             make_component("transport", spec.transport, dict(spec.transport_options))
         self.spec = spec
         self._offloaded = False
+        self._kind = None
         if self._finalizer is not None:  # a group that failed earlier: already stopped
             self._finalizer.detach()
         if launcher == "ray":
@@ -123,11 +136,53 @@ class FSDPBackend:
     # ------------------------------------------------------------------ steps
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One step's batch: one optimizer step, or ``train.steps_per_rollout`` on its mini-batches.
+
+        With several steps the policy moves between them, so the PPO "old" log-probs (the policy
+        that the batch's advantages refer to) are scored once, before the first update, and every
+        mini-batch's ratio is taken against them. With one step they are the current log-probs,
+        detached, and no scoring pass runs (exactly as before the option existed).
+        """
         assert self.opts is not None and self.train_opts is not None
         check_batch(batch)
-        shares = split_batch(batch, self.opts.num_ranks, self.train_opts.micro_batch_size)
-        results = self._run("train_step", shares)
-        return results[0]
+        parts = mini_batches(len(batch.samples), self.train_opts.steps_per_rollout)
+        if len(parts) == 1:
+            shares = split_batch(batch, self.opts.num_ranks, self.train_opts.micro_batch_size)
+            return dict(self._run("train_step", shares)[0])
+        if len(parts) < self.train_opts.steps_per_rollout:
+            log.warning(
+                "fsdp: step %d has %d samples, fewer than train.steps_per_rollout (%d); taking %d steps",
+                batch.step,
+                len(batch.samples),
+                self.train_opts.steps_per_rollout,
+                len(parts),
+            )
+        t0 = time.perf_counter()
+        extra: dict[str, list[list[float]]] = {}
+        if self._loss_kind() == "policy":
+            extra[OLD_LOGPROBS] = self.score(batch.samples, [OLD_LOGPROBS])[OLD_LOGPROBS]
+        old_s = time.perf_counter() - t0
+        results: list[tuple[dict[str, float], int]] = []
+        for indices in parts:
+            part = sub_batch(batch, indices)
+            if part.num_loss_tokens == 0:
+                # Nothing to learn from (every token masked): no optimizer step, said in the log.
+                log.warning("fsdp: step %d: a mini-batch has no loss token; skipped", batch.step)
+                continue
+            scores = {name: [rows[i] for i in indices] for name, rows in extra.items()}
+            shares = split_batch(part, self.opts.num_ranks, self.train_opts.micro_batch_size, scores)
+            results.append((self._run("train_step", shares)[0], part.num_loss_tokens))
+        out = combine_step_metrics(results)
+        out["time/train/old_logprobs_s"] = old_s
+        out["train/tokens_per_s"] = out["train/num_tokens"] / max(time.perf_counter() - t0, 1e-9)
+        return out
+
+    def _loss_kind(self) -> str:
+        """The policy loss's kind, as the ranks built it (the driver never builds the loss itself:
+        a loss may register rank-side hooks when it is made)."""
+        if self._kind is None:
+            self._kind = str(self._run("loss_kind", self._same(None))[0])
+        return self._kind
 
     def score(self, samples: list[Sample], names: list[str]) -> dict[str, list[list[float]]]:
         """Forward-only passes of the frozen scorers / critic; rows come back in ``samples`` order."""
@@ -221,6 +276,37 @@ class FSDPBackend:
                 f"the FSDP backend cannot run {command}: its state is offloaded to the CPU; call onload() first"
             )
         return self._ranks.send(command, args)
+
+
+# Metrics of several optimizer steps that add up rather than average.
+_SUMMED = ("train/num_loss_tokens", "train/num_tokens")
+
+
+def combine_step_metrics(results: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """One set of metrics for several optimizer steps on one batch, each ``(metrics, loss tokens)``.
+
+    Counts and ``time/`` entries add up; ``train/lr`` is the first step's (the rate the batch
+    started at); everything else is the loss-token-weighted mean over the steps, as a single
+    step weighs its micro-batches. ``train/optimizer_steps`` says how many steps were taken.
+    """
+    out: dict[str, float] = {"train/optimizer_steps": float(len(results))}
+    if not results:
+        return out
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, tokens in results:
+        for key, value in metrics.items():
+            if key in _SUMMED or key.startswith("time/"):
+                out[key] = out.get(key, 0.0) + value
+            elif key not in ("train/lr", "critic/lr"):
+                sums[key] = sums.get(key, 0.0) + value * tokens
+                weights[key] = weights.get(key, 0.0) + tokens
+    out.update({key: sums[key] / weights[key] for key in sums if weights[key] > 0})
+    first = results[0][0]
+    for key in ("train/lr", "critic/lr"):
+        if key in first:
+            out[key] = first[key]
+    return out
 
 
 def _offload_metrics(results: list[dict[str, float]], what: str) -> dict[str, float]:

@@ -99,6 +99,34 @@ def plan(lengths: list[int], world_size: int, micro_batch_size: int) -> list[lis
 
 # Token scores the trainer reads during the step; everything else in token_scores stays on the driver.
 TRAIN_SCORES = ("ref_logprobs", "values")
+# The policy's own log-probs before the first of several optimizer steps on one batch (PPO's "old").
+OLD_LOGPROBS = "old_logprobs"
+
+
+def mini_batches(num_samples: int, steps: int) -> list[range]:
+    """Split ``num_samples`` (in batch order) into ``steps`` contiguous, near-equal mini-batches.
+
+    Contiguous keeps a group's samples together (the batch is groups, flattened); sizes differ
+    by at most one. Fewer samples than steps give one mini-batch per sample.
+    """
+    steps = max(1, min(steps, num_samples))
+    base, extra = divmod(num_samples, steps)
+    out, start = [], 0
+    for k in range(steps):
+        size = base + (1 if k < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def sub_batch(batch: TrainBatch, indices: range) -> TrainBatch:
+    """The samples ``indices`` of ``batch`` as a batch of their own (one optimizer step's data)."""
+    return TrainBatch(
+        samples=[batch.samples[i] for i in indices],
+        advantages=[batch.advantages[i] for i in indices],
+        step=batch.step,
+        returns=None if batch.returns is None else [batch.returns[i] for i in indices],
+    )
 
 
 def sample_row(
@@ -114,12 +142,20 @@ def sample_row(
     )
 
 
-def split_batch(batch: TrainBatch, world_size: int, micro_batch_size: int) -> list[RankBatch]:
+def split_batch(
+    batch: TrainBatch,
+    world_size: int,
+    micro_batch_size: int,
+    extra_scores: dict[str, list[list[float]]] | None = None,
+) -> list[RankBatch]:
+    """Each rank's rows of ``batch``; ``extra_scores`` adds per-token rows by name (in sample order)."""
     rows = []
     for i, (s, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
         scores = {name: s.token_scores[name] for name in TRAIN_SCORES if name in s.token_scores}
         if batch.returns is not None:
             scores["returns"] = batch.returns[i]
+        for name, per_sample in (extra_scores or {}).items():
+            scores[name] = per_sample[i]
         rows.append(sample_row(s, adv, scores))
     layout = plan([r.num_tokens for r in rows], world_size, micro_batch_size)
     total = batch.num_loss_tokens

@@ -33,7 +33,7 @@ from miles.interfaces import (
     TransportStats,
 )
 from miles_fsdp import checkpoint
-from miles_fsdp.batching import MicroBatchTensors, RankBatch, collate
+from miles_fsdp.batching import OLD_LOGPROBS, MicroBatchTensors, RankBatch, collate
 from miles_fsdp.config import FSDPOptions
 from miles_fsdp.logprobs import token_logprobs
 from miles_fsdp.models import (
@@ -45,6 +45,7 @@ from miles_fsdp.models import (
     shard,
     source_dtype,
 )
+from miles_fsdp.schedule import decay_steps, lr_multiplier
 from miles_fsdp.weights import iter_full_tensors
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,8 @@ class RankTrainer:
         return optimizer, scheduler
 
     def _lr_lambda(self) -> Callable[[int], float]:
-        warmup = self.train_opts.warmup_steps
-        return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+        # The schedule counts optimizer steps (steps_per_rollout of them per driver step).
+        return lr_multiplier(self.train_opts, decay_steps(self.train_opts, self.spec.config))
 
     def _resolve_components(self) -> tuple[Loss, Correction | None, Loss | None]:
         from miles.plugins import make_component
@@ -178,13 +179,17 @@ class RankTrainer:
         """Forward-only passes: per micro-batch, per row, the named per-token signals."""
         batch, names = args
         unknown = [
-            n for n in names if n not in self.scorers and not (n == VALUES and self.critic is not None)
+            n
+            for n in names
+            if n not in self.scorers and n != OLD_LOGPROBS and not (n == VALUES and self.critic is not None)
         ]
         if unknown:
             raise ComponentError(
                 f"fsdp: cannot score {unknown}; this trainer was built for {self.spec.scores}"
             )
         out: list[list[dict[str, list[float]]]] = []
+        if OLD_LOGPROBS in names:
+            self.model.eval()  # the "old" policy is scored as the engines sample: no dropout
         with torch.no_grad():
             for rows in batch.micro_batches:
                 if not rows:
@@ -200,7 +205,13 @@ class RankTrainer:
                 )
         return out
 
+    def loss_kind(self, _: None = None) -> str:
+        """The policy loss's kind (policy or supervised): whether a step reads old log-probs."""
+        return str(getattr(self.loss_fn, "kind", "policy"))
+
     def _scoring_model(self, name: str) -> nn.Module:
+        if name == OLD_LOGPROBS:
+            return self.model
         if name == VALUES:
             assert self.critic is not None  # values are scored only with a critic
             return self.critic
@@ -209,13 +220,14 @@ class RankTrainer:
     def _score_tensor(self, name: str, mb: MicroBatchTensors) -> torch.Tensor:
         if name == VALUES:
             return self._values(mb)
-        model = self.scorers[name]
+        model = self._scoring_model(name)
         logprobs, _ = self._response_logprobs(model, mb)
         return logprobs
 
     # ------------------------------------------------------------------- step
 
     def train_step(self, batch: RankBatch) -> dict[str, float]:
+        self._sync()
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -234,14 +246,20 @@ class RankTrainer:
             entropy_sum += entropy
             tokens += mb.num_tokens
             acc.add(metrics, mb.num_loss_tokens)
+        self._sync()
+        t_fb = time.perf_counter()
         grad_norm = self._clip_grads(self.model)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        t_opt = time.perf_counter()
 
         critic_metrics: dict[str, float] = {}
         if self.critic is not None:
             critic_metrics = self._critic_step(batch, acc)
+            self._sync()
+            critic_metrics["time/train/critic_s"] = time.perf_counter() - t_opt
 
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (acc.sums, acc.weights, loss_total, entropy_sum, tokens))
@@ -258,9 +276,17 @@ class RankTrainer:
                 "train/num_loss_tokens": float(batch.num_loss_tokens),
                 "train/num_tokens": float(total_tokens),
                 "train/tokens_per_s": total_tokens / elapsed if elapsed > 0 else 0.0,
+                # This rank's clock; every rank waits for the slowest in the collectives anyway.
+                "time/train/forward_backward_s": t_fb - t0,
+                "time/train/optimizer_s": t_opt - t_fb,
             }
         )
         return out
+
+    def _sync(self) -> None:
+        """Wait for the GPU's queued work, so that a phase's clock reads its kernels, not their launch."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _micro_step(self, mb: MicroBatchTensors, batch: RankBatch) -> tuple[float, float, dict[str, float]]:
         kind = getattr(self.loss_fn, "kind", "policy")
@@ -275,9 +301,13 @@ class RankTrainer:
             entropy=entropy if "entropy" in requires else None,
         )
         if kind == "policy":
-            # One optimizer step per rollout: at the start of this step the policy that produced
-            # the "old" log-probs is the current one, so they are the current values, detached.
-            inputs.old_logprobs = logprobs.detach()
+            if OLD_LOGPROBS in mb.scores:
+                # Several optimizer steps per batch: the policy before the first one, scored once.
+                inputs.old_logprobs = mb.scores[OLD_LOGPROBS]
+            else:
+                # One optimizer step per batch: the policy that the "old" log-probs stand for is
+                # the current one, so they are the current values, detached.
+                inputs.old_logprobs = logprobs.detach()
             inputs.rollout_logprobs = mb.rollout_logprobs
             inputs.advantages = mb.advantages
             if REF_LOGPROBS in requires:

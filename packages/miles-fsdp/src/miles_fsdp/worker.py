@@ -30,6 +30,7 @@ TRAINER_COMMANDS = frozenset(
     {
         "train_step",
         "score",
+        "loss_kind",
         "update_weights",
         "reconnect_transport",
         "save_checkpoint",

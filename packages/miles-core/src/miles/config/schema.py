@@ -237,7 +237,39 @@ class TrainSection(Section):
     eps: float = 1e-8
     grad_clip: float | None = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward")
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup to lr")
+    steps_per_rollout: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps per step's batch: the batch is split into this many mini-batches, "
+        "after one scoring pass for the PPO old log-probs (1: one step, old = current, no extra pass)",
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning-rate decay after warmup (transformers' schedules)"
+    )
+    lr_decay_steps: int | None = Field(
+        None,
+        ge=1,
+        description="optimizer steps the decay spans (None: the whole run, num_steps x steps_per_rollout)",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, lt=1.0, description="cosine only: the floor the decay ends at, as a fraction of lr"
+    )
+
+    @model_validator(mode="after")
+    def _schedule_options(self) -> TrainSection:
+        if self.min_lr_ratio and self.lr_schedule != "cosine":
+            raise ValueError(
+                f"train.min_lr_ratio sets the floor of the cosine schedule; lr_schedule is {self.lr_schedule!r}"
+            )
+        if self.lr_decay_steps is not None and self.lr_schedule == "constant":
+            raise ValueError("train.lr_decay_steps needs a decaying lr_schedule (linear or cosine)")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"train.lr_decay_steps ({self.lr_decay_steps}) counts the warmup too; it must exceed "
+                f"train.warmup_steps ({self.warmup_steps})"
+            )
+        return self
 
 
 class WeightSyncSection(Section):
@@ -449,6 +481,13 @@ class MilesConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> MilesConfig:
+        r = self.rollout
+        per_step = self.sft.batch_size if self.mode == "sft" else r.prompts_per_step * r.n_samples_per_prompt
+        if self.train.steps_per_rollout > per_step:
+            raise ValueError(
+                f"train.steps_per_rollout ({self.train.steps_per_rollout}) splits a step's batch into "
+                f"mini-batches, but a step has only {per_step} samples"
+            )
         if self.mode == "sft":
             if self.algorithm.correction is not None and "correction" in self.algorithm.model_fields_set:
                 raise ValueError(
