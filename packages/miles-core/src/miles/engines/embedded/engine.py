@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("miles.engines.embedded")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHES = ("auto", "paged", "dynamic")
 
 
 @dataclass
@@ -46,6 +47,15 @@ class EngineOptions:
     update_timeout_s: float = 300.0  # a staged multi-bucket update with no bucket for this long is dropped
     # Most tokens the prefix cache keeps over all its entries (see prefix_cache); 0 disables it.
     prefix_cache_tokens: int = 65536
+    # KV cache (docs/engine.md): "paged" (the fast path: paged pool, chunked prefill, CUDA graphs),
+    # "dynamic" (a transformers DynamicCache per batch), "auto" (paged on CUDA for the models it
+    # supports, dynamic otherwise).
+    kv_cache: str = "auto"
+    mem_fraction: float = 0.85  # paged, CUDA: share of the GPU memory free after loading kept for KV
+    kv_tokens: int = 0  # paged: a pool of exactly this many token slots (needed on the CPU)
+    chunk_tokens: int = 0  # paged: most prompt tokens one step prefills (0: 8192 on CUDA, 512 on CPU)
+    cuda_graphs: bool = True  # paged, CUDA: replay the decode step from CUDA graphs
+    block_size: int = 16  # paged: tokens per KV block
 
 
 def _is_flat(token_ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
@@ -129,13 +139,29 @@ class EmbeddedEngine:
                 "attention), whose rows cannot be cut out of a batch",
                 type(model).__name__,
             )
-        self.scheduler = Scheduler(
-            runner,
-            max_batch_size=options.max_batch_size,
-            mergeable=mergeable,
-            version=self._token_version,
-            prefix_cache=prefix_cache,
-        )
+        self.paged = self._paged_runner(model) if self._wants_paged(model) else None
+        self.scheduler: Scheduler
+        if self.paged is not None:
+            from miles.engines.embedded.paged.scheduler import PagedScheduler
+
+            if options.prefix_cache_tokens > 0:
+                log.info("the paged KV cache has no prefix cache yet: prefix_cache_tokens is not used")
+            self.scheduler = PagedScheduler(
+                self.paged,
+                runner,
+                max_batch_size=options.max_batch_size,
+                chunk_tokens=self.paged.options.chunk_tokens,
+                version=self._token_version,
+                seed=options.seed,
+            )
+        else:
+            self.scheduler = Scheduler(
+                runner,
+                max_batch_size=options.max_batch_size,
+                mergeable=mergeable,
+                version=self._token_version,
+                prefix_cache=prefix_cache,
+            )
         self._version = str(options.weight_version)
         self._version_lock = threading.Lock()
         self.weights = WeightUpdater(
@@ -148,6 +174,71 @@ class EmbeddedEngine:
             handoff_dir=options.handoff_dir,
             update_timeout_s=options.update_timeout_s,
         )
+
+    # ------------------------------------------------------------- KV path
+
+    def _wants_paged(self, model: Any) -> bool:
+        """Whether this engine runs the paged fast path; refuses what cannot work, one log line
+        when ``auto`` keeps the DynamicCache path."""
+        from miles.engines.embedded.paged.model import unsupported_reason
+
+        choice = self.options.kv_cache
+        if choice not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {choice!r}")
+        if choice == "dynamic" or (choice == "auto" and self.device.type != "cuda"):
+            return False
+        reason = unsupported_reason(model)
+        if reason is None and self.device.type == "cuda":
+            try:
+                import triton  # type: ignore[import-untyped]  # noqa: F401  (the paged decode kernel)
+            except ImportError:
+                reason = "triton is not installed (the paged decode kernel needs it on CUDA)"
+        if reason is not None:
+            if choice == "paged":
+                raise ValueError(f"kv_cache 'paged' cannot run this model: {reason}; use 'dynamic' or 'auto'")
+            log.info("KV cache: DynamicCache path (%s)", reason)
+            return False
+        if self.device.type != "cuda" and self.options.kv_tokens <= 0:
+            raise ValueError("kv_cache 'paged' on the CPU needs kv_tokens > 0 (the pool size in tokens)")
+        return True
+
+    def _paged_runner(self, model: Any) -> Any:
+        from miles.engines.embedded.paged.runner import PagedOptions, PagedRunner
+
+        o = self.options
+        chunk = o.chunk_tokens or (8192 if self.device.type == "cuda" else 512)
+        runner = PagedRunner(
+            model,
+            self.device,
+            PagedOptions(
+                block_size=o.block_size,
+                mem_fraction=o.mem_fraction,
+                kv_tokens=o.kv_tokens,
+                chunk_tokens=chunk,
+                cuda_graphs=o.cuda_graphs,
+                max_batch_size=o.max_batch_size,
+            ),
+            self.max_context,
+        )
+        if runner.graphs is not None:
+            with torch.inference_mode():
+                runner.graphs.capture()  # at start, so no request waits for it
+        return runner
+
+    def release_memory(self) -> int:
+        """Free the KV pool (running requests are retracted and wait); returns the bytes freed."""
+        from miles.engines.embedded.paged.scheduler import PagedScheduler
+
+        if not isinstance(self.scheduler, PagedScheduler):
+            raise ValueError("memory release needs the paged KV cache (kv_cache 'paged', or 'auto' on CUDA)")
+        return self.scheduler.release_memory()
+
+    def resume_memory(self) -> None:
+        from miles.engines.embedded.paged.scheduler import PagedScheduler
+
+        if not isinstance(self.scheduler, PagedScheduler):
+            raise ValueError("memory release needs the paged KV cache (kv_cache 'paged', or 'auto' on CUDA)")
+        self.scheduler.resume_memory()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -406,6 +497,20 @@ class EmbeddedEngine:
             "moe": moe,
         }
 
+    def _pool_info(self) -> dict[str, Any] | None:
+        if self.paged is None:
+            return None
+        alloc = self.paged.allocator
+        return {
+            "block_size": alloc.block_size,
+            "num_blocks": alloc.num_blocks,
+            "free_blocks": alloc.num_free,
+            "capacity_tokens": alloc.capacity_tokens,
+            "bytes": self.paged.pool.nbytes,
+            "released": not self.paged.pool.allocated,
+            "cuda_graphs": self.paged.graphs.sizes if self.paged.graphs is not None else None,
+        }
+
     def server_info(self) -> dict[str, Any]:
         running, waiting = self.scheduler.counts()
         cache = self.scheduler.prefix_cache
@@ -422,6 +527,8 @@ class EmbeddedEngine:
             "max_batch_size": self.options.max_batch_size,
             "dp_size": 1,  # one data-parallel rank: /generate takes data_parallel_rank null or 0
             "continuous_batching": self.scheduler.mergeable,
+            "kv_cache": "paged" if self.paged is not None else "dynamic",
+            "kv_pool": self._pool_info(),
             # None when disabled (prefix_cache_tokens 0, or a model whose caches cannot be merged).
             "prefix_cache": cache.describe() if cache is not None else None,
             "torch_threads": torch.get_num_threads(),

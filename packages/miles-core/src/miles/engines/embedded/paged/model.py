@@ -1,0 +1,189 @@
+"""A Qwen2/Qwen3 dense forward pass over the paged KV pool, on the HF model's own modules.
+
+Every weight is read through the Hugging Face model's modules (``q_proj``, norms,
+``mlp``, ``lm_head``...), never copied, so a weight update that writes into the
+model's parameters in place (every receiver does: ``WeightUpdater.apply`` copies
+into them) is what the next step computes with, captured CUDA graphs included.
+
+Tokens of one step are flat (``[T, hidden]``): prefill chunks of several requests
+and decode tokens are laid end to end, each with its position and the pool slot its
+key and value are written to. Attention has two forms:
+
+- ``gather``: each sequence's keys and values are gathered from the pool into a
+  padded batch and fed to ``scaled_dot_product_attention`` with an explicit mask
+  (causal inside the chunk, everything before it). Used for prefill chunks
+  everywhere, and for decode on the CPU. Plain torch.
+- ``paged``: one query token per row, the Triton kernel walking the block table
+  (see ``triton_kernels``). Used for decode on CUDA; it is what the CUDA graphs replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why ``model`` cannot run on the paged path (None: it can)."""
+    name = type(model).__name__
+    if name not in SUPPORTED_ARCHITECTURES:
+        return f"{name} is not one of the paged path's models ({', '.join(SUPPORTED_ARCHITECTURES)})"
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
+        return f"{name} has sliding-window layers, which the paged path does not implement"
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+        return "dynamic RoPE scaling changes with the sequence length; the paged path uses a fixed table"
+    return None
+
+
+@dataclass
+class GatherMeta:
+    """Padded attention layout of the sequences of one step (the ``gather`` form)."""
+
+    kv_slots: Any  # [P, Lk] long: pool slot of each key (0, the scratch slot, past a sequence's end)
+    q_index: Any  # [P, Lq] long: index into the step's flat tokens (0 where padded)
+    q_valid: Any  # [P, Lq] bool
+    mask: Any  # [P, 1, Lq, Lk] bool: True where a query may attend a key
+
+
+@dataclass
+class PagedMeta:
+    """The ``paged`` form: one query per row."""
+
+    block_tables: Any  # [R, max_blocks] int32 on the device
+    rows: Any  # [B] int32
+    seq_lens: Any  # [B] int32
+
+
+@dataclass
+class StepInputs:
+    input_ids: Any  # [T] long
+    positions: Any  # [T] long
+    slots: Any  # [T] long: where each token's key and value go
+    logit_rows: Any  # [S] long: the tokens whose logits are wanted (None: every token)
+    attn: GatherMeta | PagedMeta
+
+
+def gather_meta(
+    q_lens: list[int], kv_lens: list[int], block_lists: list[list[int]], block_size: int, device: Any
+) -> GatherMeta:
+    """Layout of sequences that feed ``q_lens[i]`` new tokens ending at ``kv_lens[i]`` keys."""
+    import torch
+
+    n = len(q_lens)
+    lq, lk = max(q_lens), max(kv_lens)
+    kv_slots = torch.zeros(n, lk, dtype=torch.long)
+    q_index = torch.zeros(n, lq, dtype=torch.long)
+    q_valid = torch.zeros(n, lq, dtype=torch.bool)
+    q_pos = torch.full((n, lq), -1, dtype=torch.long)
+    kv_len_t = torch.tensor(kv_lens, dtype=torch.long)
+    offset = 0
+    for i, (ql, kl, blocks) in enumerate(zip(q_lens, kv_lens, block_lists, strict=True)):
+        pos = torch.arange(kl)
+        table = torch.tensor(blocks, dtype=torch.long)
+        kv_slots[i, :kl] = table[pos // block_size] * block_size + pos % block_size
+        q_index[i, :ql] = torch.arange(offset, offset + ql)
+        q_valid[i, :ql] = True
+        q_pos[i, :ql] = torch.arange(kl - ql, kl)
+        offset += ql
+    keys = torch.arange(lk)
+    mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < kv_len_t[:, None, None])
+    # A padded query row must attend something, or its softmax is NaN (it is dropped afterwards).
+    mask[:, :, 0] |= ~q_valid
+    return GatherMeta(
+        kv_slots=kv_slots.to(device),
+        q_index=q_index.to(device),
+        q_valid=q_valid.to(device),
+        mask=mask[:, None].to(device),
+    )
+
+
+def _rotate_half(x: Any) -> Any:
+    import torch
+
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedModel:
+    def __init__(self, model: Any, pool: Any, block_size: int, max_positions: int) -> None:
+        import torch
+
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        config = model.config
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.scale = float(self.layers[0].self_attn.scaling)
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.pool = pool
+        self.block_size = block_size
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
+        # cos/sin of every position, from the model's own rotary module (whatever its RoPE
+        # scaling), in the model's dtype as the HF attention applies them.
+        cos_parts, sin_parts = [], []
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            for start in range(0, max_positions, 8192):
+                pos = torch.arange(start, min(start + 8192, max_positions), device=self.device)[None]
+                cos, sin = inner.rotary_emb(probe, pos)
+                cos_parts.append(cos[0])
+                sin_parts.append(sin[0])
+        self.cos = torch.cat(cos_parts)
+        self.sin = torch.cat(sin_parts)
+        self.max_positions = max_positions
+
+    def forward(self, step: StepInputs) -> Any:
+        """Logits (float32) of ``step.logit_rows``; writes every token's KV into the pool."""
+        x = self.embed(step.input_ids)
+        tokens = x.shape[0]
+        cos = self.cos[step.positions][:, None, :]
+        sin = self.sin[step.positions][:, None, :]
+        k_pool, v_pool = self.pool.k, self.pool.v
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(tokens, self.num_heads, self.head_dim)
+            k = attn.k_proj(h).view(tokens, self.kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(tokens, self.kv_heads, self.head_dim)
+            if self.qk_norm:
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_pool[i].index_copy_(0, step.slots, k)
+            v_pool[i].index_copy_(0, step.slots, v)
+            o = self._attend(q, k_pool[i], v_pool[i], step.attn)
+            x = x + attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.norm(x if step.logit_rows is None else x[step.logit_rows])
+        return self.lm_head(x).float()
+
+    def _attend(self, q: Any, k_cache: Any, v_cache: Any, meta: GatherMeta | PagedMeta) -> Any:
+        if isinstance(meta, PagedMeta):
+            from miles.engines.embedded.paged.triton_kernels import paged_decode
+
+            return paged_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.rows, meta.seq_lens, self.scale, self.block_size
+            )
+        from torch.nn import functional as F
+
+        qp = q[meta.q_index].transpose(1, 2)  # [P, H, Lq, D]
+        kp = k_cache[meta.kv_slots].transpose(1, 2)  # [P, KVH, Lk, D]
+        vp = v_cache[meta.kv_slots].transpose(1, 2)
+        groups = self.num_heads // self.kv_heads
+        if groups > 1:
+            kp = kp.repeat_interleave(groups, dim=1)
+            vp = vp.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=self.scale)
+        return out.transpose(1, 2)[meta.q_valid]  # [T, H, D], in the flat token order

@@ -1,0 +1,277 @@
+"""The paged runner: pool, allocator, per-request device state, prefill chunks and decode steps.
+
+Each running request holds one row of the device-side request tables (its block
+table row, temperature, top-p, top-k, seed); row 0 is scratch, used by the padded
+rows of a CUDA graph. A decode step uploads one small int64 tensor (token, position,
+slot and table row of each query) and reads back one (sampled ids and log-probs):
+nothing else crosses between host and device per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles.engines.embedded.paged.allocator import BlockAllocator
+from miles.engines.embedded.paged.graphs import DecodeGraphs
+from miles.engines.embedded.paged.model import GatherMeta, PagedMeta, PagedModel, StepInputs, gather_meta
+from miles.engines.embedded.paged.pool import KVPool, PoolShape, plan_blocks
+from miles.engines.embedded.paged.sampling import SamplingTensors, sample
+
+log = logging.getLogger("miles.engines.embedded")
+
+
+@dataclass
+class PagedOptions:
+    block_size: int = 16
+    mem_fraction: float = 0.85  # of the GPU memory free after the model is loaded
+    kv_tokens: int = 0  # > 0: a pool of this many token slots (required on the CPU)
+    chunk_tokens: int = 8192  # most prefill tokens one step feeds (chunked prefill)
+    cuda_graphs: bool = True
+    max_batch_size: int = 64
+
+
+@dataclass(eq=False)
+class SeqState:
+    """A request's place in the pool (kept across a retract; blocks and row are then given back)."""
+
+    seed: int
+    blocks: list[int] = field(default_factory=list)
+    kv_len: int = 0  # tokens whose key and value are in the pool
+    row: int = -1  # device table row; -1 when not running
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class PagedRunner:
+    def __init__(self, model: Any, device: torch.device, options: PagedOptions, max_context: int) -> None:
+        config = model.config
+        num_layers = int(config.num_hidden_layers)
+        kv_heads = int(config.num_key_value_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        dtype = model.get_input_embeddings().weight.dtype
+        self.device = device
+        self.options = options
+        blocks = plan_blocks(
+            device=device,
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            element_size=torch.tensor([], dtype=dtype).element_size(),
+            block_size=options.block_size,
+            mem_fraction=options.mem_fraction,
+            kv_tokens=options.kv_tokens,
+        )
+        self.allocator = BlockAllocator(blocks, options.block_size)
+        self.pool = KVPool(
+            PoolShape(num_layers, kv_heads, head_dim, options.block_size, blocks), dtype, device
+        )
+        self.max_context = min(max_context, self.allocator.capacity_tokens)
+        self.model = PagedModel(model, self.pool, options.block_size, self.max_context + 1)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        rows = options.max_batch_size + 1
+        self.max_blocks = self.allocator.blocks_for(self.max_context + 1)
+        self.block_tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
+        self.temps = torch.ones(rows, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
+        self.top_k = torch.full((rows,), self.vocab_size, dtype=torch.int64, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._free_rows = list(range(rows - 1, 0, -1))
+        self._writes: list[tuple[int, int, int]] = []  # pending (row, column, block) table writes
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and options.cuda_graphs:
+            self.graphs = DecodeGraphs(self, options.max_batch_size)
+        log.info(
+            "paged KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB); chunked prefill %d tokens; "
+            "CUDA graphs %s",
+            blocks,
+            options.block_size,
+            self.allocator.capacity_tokens,
+            self.pool.nbytes / 2**30,
+            options.chunk_tokens,
+            "on" if self.graphs is not None else "off",
+        )
+
+    # ------------------------------------------------------------ request rows
+
+    def attach(self, state: SeqState, temperature: float, top_p: float, top_k: int) -> None:
+        """Give a request a device table row (on admission)."""
+        if state.row >= 0:
+            return
+        state.row = self._free_rows.pop()
+        k = top_k if 0 < top_k < self.vocab_size else self.vocab_size
+        values = torch.tensor([temperature, top_p], dtype=torch.float32)
+        self.temps[state.row] = values[0]
+        self.top_p[state.row] = values[1]
+        self.top_k[state.row] = k
+        self.seeds[state.row] = state.seed
+        for j, b in enumerate(state.blocks):
+            self._writes.append((state.row, j, b))
+
+    def detach(self, state: SeqState) -> None:
+        """Give back the request's blocks and row (finished, aborted or retracted)."""
+        if state.blocks:
+            self.allocator.release(state.blocks)
+        state.blocks = []
+        state.kv_len = 0
+        if state.row >= 0:
+            self._free_rows.append(state.row)
+            state.row = -1
+
+    @property
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def grow(self, state: SeqState, tokens: int) -> bool:
+        """Make room for ``tokens`` token slots in total; False when the pool has too few free blocks."""
+        need = self.allocator.blocks_for(tokens) - len(state.blocks)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        new = self.allocator.allocate(need)
+        first = len(state.blocks)
+        state.blocks.extend(new)
+        if state.row >= 0:
+            self._writes.extend((state.row, first + j, b) for j, b in enumerate(new))
+        return True
+
+    def _flush_writes(self) -> None:
+        if not self._writes:
+            return
+        w = torch.tensor(self._writes, dtype=torch.int64).to(self.device)
+        self.block_tables[w[:, 0], w[:, 1]] = w[:, 2].to(torch.int32)
+        self._writes.clear()
+
+    def _slot(self, state: SeqState, pos: int) -> int:
+        bs = self.options.block_size
+        return state.blocks[pos // bs] * bs + pos % bs
+
+    # ----------------------------------------------------------------- steps
+
+    @torch.inference_mode()
+    def prefill(self, chunks: list[tuple[SeqState, list[int], bool]]) -> Sampled:
+        """Feed each ``(state, tokens, sample)`` chunk after the state's ``kv_len`` tokens (their
+        blocks already allocated); sample the next token of the chunks marked so."""
+        self._flush_writes()
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[SeqState] = []
+        for state, tokens, want in chunks:
+            start = state.kv_len
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            slots += [self._slot(state, p) for p in range(start, start + len(tokens))]
+            if want:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(state)
+        meta = gather_meta(
+            [len(t) for _, t, _ in chunks],
+            [s.kv_len + len(t) for s, t, _ in chunks],
+            [s.blocks for s, _, _ in chunks],
+            self.options.block_size,
+            self.device,
+        )
+        dev = self.device
+        step = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            attn=meta,
+        )
+        logits = self.model.forward(step) if logit_rows or ids else None
+        for state, tokens, _ in chunks:
+            state.kv_len += len(tokens)
+        if not sampled:
+            return Sampled([], [])
+        assert logits is not None
+        rows = torch.tensor([s.row for s in sampled], dtype=torch.long, device=dev)
+        pos = torch.tensor([s.kv_len for s in sampled], dtype=torch.long, device=dev)
+        return self._sample(logits, rows, pos)
+
+    def _sampling(self, rows: Any, positions: Any) -> SamplingTensors:
+        top_k, top_p = self.top_k[rows], self.top_p[rows]
+        return SamplingTensors(
+            temperature=self.temps[rows],
+            top_p=top_p,
+            top_k=top_k,
+            seeds=self.seeds[rows],
+            positions=positions,
+            filtered=False,
+        )
+
+    def _sample(self, logits: Any, rows: Any, positions: Any, filtered: bool | None = None) -> Sampled:
+        st = self._sampling(rows, positions)
+        if filtered is None:
+            filtered = bool(((st.top_k < self.vocab_size) | (st.top_p < 1.0)).any())
+        st.filtered = filtered
+        tokens, logprobs = sample(logits, st)
+        return _read(tokens, logprobs)
+
+    @torch.inference_mode()
+    def decode(self, states: list[SeqState], last_tokens: list[int], filtered: bool) -> Sampled:
+        """Feed each state's pending token (at position ``kv_len``, its slot allocated); sample."""
+        self._flush_writes()
+        n = len(states)
+        packed = [
+            last_tokens,
+            [s.kv_len for s in states],
+            [self._slot(s, s.kv_len) for s in states],
+            [s.row for s in states],
+        ]
+        for s in states:
+            s.kv_len += 1
+        if self.graphs is not None and self.graphs.fits(n):
+            logits, tokens, logprobs = self.graphs.replay(packed)
+            if not filtered:
+                return _read(tokens, logprobs)
+            rows = torch.tensor(packed[3], dtype=torch.long, device=self.device)
+            pos = torch.tensor(packed[1], dtype=torch.long, device=self.device) + 1
+            return self._sample(logits, rows, pos, filtered=True)
+        host = torch.tensor(packed, dtype=torch.long)
+        dev = host.to(self.device)
+        ids, pos, slots, rows = dev[0], dev[1], dev[2], dev[3]
+        meta: GatherMeta | PagedMeta
+        if self.device.type == "cuda":
+            meta = PagedMeta(self.block_tables, rows.to(torch.int32), (pos + 1).to(torch.int32))
+        else:
+            meta = gather_meta(
+                [1] * n,
+                [s.kv_len for s in states],
+                [s.blocks for s in states],
+                self.options.block_size,
+                "cpu",
+            )
+        logits = self.model.forward(StepInputs(ids, pos, slots, None, meta))
+        return self._sample(logits, rows, pos + 1, filtered=filtered)
+
+    # ---------------------------------------------------------------- memory
+
+    def release_memory(self) -> int:
+        """Free the KV pool and the graphs (nothing may be running); returns the bytes the pool held."""
+        if self.allocator.num_free != self.allocator.num_blocks - 1:
+            raise RuntimeError("the KV pool cannot be released while requests hold blocks")
+        if self.graphs is not None:
+            self.graphs.drop()
+        return self.pool.release()
+
+    def resume_memory(self) -> None:
+        self.pool.resume()
+        self.allocator.reset()
+        self.model.pool = self.pool
+
+
+def _read(tokens: Any, logprobs: Any) -> Sampled:
+    """The step's one device-to-host read: ids and log-probs together."""
+    both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()
+    return Sampled([int(t) for t in both[0].tolist()], both[1].tolist())

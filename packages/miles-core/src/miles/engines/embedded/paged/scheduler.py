@@ -1,0 +1,342 @@
+"""The paged batching loop: continuous batching over the paged KV pool, with chunked prefill.
+
+It keeps the behaviour of :class:`~miles.engines.embedded.scheduler.Scheduler` (one
+thread, every step under ``step_lock`` so weight updates land between steps, pause
+modes ``abort`` / ``retract`` / ``in_place``, aborts, weight versions per token) and
+changes how a step is made. Each step:
+
+1. decodes one token for every running request whose prompt is fully in the pool
+   (one forward; a CUDA graph on the GPU);
+2. feeds at most ``chunk_tokens`` prompt tokens: first the rest of the prompts being
+   prefilled, then new requests from the queue, so a long prompt is cut in chunks
+   and never stalls the running decodes for more than one chunk.
+
+Admission is by free blocks: a request enters only when the pool has blocks for its
+whole prompt plus the first token (and a table row is free: ``max_batch_size``).
+When a decoding request needs a new block and none is free, the newest other
+running request is *retracted*: its blocks are given back and it goes to the front
+of the queue with its tokens and log-probs, to be prefilled again (prompt and
+outputs) when blocks free up; its seeded draws do not change, since the sampler's
+noise depends only on (seed, position).
+
+Not on this path (see ``docs/engine.md``): the prefix cache; requests that want
+input log-probs *and* new tokens, or top-k / requested-id log-probs of sampled
+tokens (refused with a message naming ``--kv-cache dynamic``). Pure scoring
+requests (``max_new_tokens`` 0) are scored by the DynamicCache runner inside a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from miles.engines.embedded.paged.runner import PagedRunner, SeqState
+from miles.engines.embedded.sampler import GenRequest, Runner
+from miles.engines.embedded.scheduler import PAUSE_MODES, Scheduler
+
+log = logging.getLogger("miles.engines.embedded")
+
+
+class _Running:
+    """The running requests, in admission order (the parent class reads ``.rows``)."""
+
+    def __init__(self) -> None:
+        self.rows: list[GenRequest] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def paged_refusal(req: GenRequest) -> str | None:
+    """Why the paged path cannot serve ``req`` (None: it can)."""
+    if req.max_new_tokens == 0:
+        return None  # pure scoring: served by the DynamicCache runner
+    if req.wants_extras:
+        return (
+            "top_logprobs_num / token_ids_logprob for generated tokens are not available on the paged KV "
+            "cache path; score the finished sequence with a max_new_tokens 0 request, or start the engine "
+            "with --kv-cache dynamic"
+        )
+    if req.pending_input_positions > 0:
+        return (
+            "input log-probs (logprob_start_len) together with generation are not available on the paged KV "
+            "cache path; send a separate scoring request (max_new_tokens 0), or start the engine with "
+            "--kv-cache dynamic"
+        )
+    return None
+
+
+class PagedScheduler(Scheduler):
+    def __init__(
+        self,
+        paged: PagedRunner,
+        scorer: Runner,
+        *,
+        max_batch_size: int,
+        chunk_tokens: int,
+        version: Any = lambda: 0,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(scorer, max_batch_size=max_batch_size, mergeable=True, version=version)
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.paged = paged
+        self.chunk_tokens = chunk_tokens
+        self._running = _Running()
+        self._batch = self._running  # type: ignore[assignment]  # the parent reads .rows and len()
+        self._states: dict[GenRequest, SeqState] = {}
+        self._seeds = random.Random(seed)
+        self.released = False
+        self.stats.update({"retractions": 0, "prefill_chunks": 0, "kv_blocks_free": paged.allocator.num_free})
+
+    # ------------------------------------------------------------- public API
+
+    def submit(self, req: GenRequest) -> None:
+        why = paged_refusal(req)
+        if why is not None:
+            raise ValueError(why)
+        super().submit(req)
+
+    def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        with self._lock:
+            self.paused, self.pause_mode = True, mode
+        with self.step_lock:  # waits for the step in progress
+            if mode == "abort":
+                self._abort_everything("generation paused (mode abort)")
+            elif mode == "retract":
+                self._retract_all()
+
+    def release_memory(self) -> int:
+        """Retract every running request and free the KV pool; returns the bytes freed."""
+        with self.step_lock:
+            self._retract_all()
+            with self._lock:
+                self.released = True
+            return self.paged.release_memory()
+
+    def resume_memory(self) -> None:
+        with self.step_lock:
+            self.paged.resume_memory()
+            with self._lock:
+                self.released = False
+                self._wake.notify_all()
+
+    # ------------------------------------------------------------- the loop
+
+    def _has_work(self) -> bool:
+        if self.released:  # requests wait until the pool is back
+            return self._aborts_pending()
+        return super()._has_work()
+
+    def _step(self) -> None:
+        with self._lock:
+            dropped = [r for r in self._waiting if r.abort_requested]
+            for r in dropped:
+                self._waiting.remove(r)
+        for r in dropped:
+            self._finish_abort(r)
+        if self.paused or self.released:
+            self._retire()
+            return
+        self._decode()
+        self._retire()
+        self._prefill()
+        self._retire()
+        self.stats["kv_blocks_free"] = self.paged.allocator.num_free
+
+    def _state(self, row: GenRequest) -> SeqState:
+        state = self._states.get(row)
+        if state is None:
+            seed = row.seed if row.seed is not None else self._seeds.getrandbits(63)
+            state = self._states[row] = SeqState(seed=seed)
+        return state
+
+    def _decoding(self, row: GenRequest) -> bool:
+        state = self._states[row]
+        return bool(row.output_ids) and state.kv_len == row.num_fed and row.finish is None
+
+    def _decode(self) -> None:
+        rows = [r for r in self._running.rows if self._decoding(r)]
+        retracted: set[GenRequest] = set()
+        for row in rows:
+            if row in retracted:
+                continue
+            state = self._states[row]
+            while not self.paged.grow(state, state.kv_len + 1):
+                victim = next((r for r in reversed(self._running.rows) if r is not row), None)
+                if victim is None:
+                    row.finish = {
+                        "type": "abort",
+                        "message": f"the KV pool ({self.paged.allocator.capacity_tokens} tokens) cannot hold "
+                        f"this request's {state.kv_len + 1} tokens",
+                    }
+                    break
+                self._retract(victim)
+                retracted.add(victim)
+        rows = [r for r in rows if r not in retracted and r.finish is None]
+        if not rows:
+            return
+        vocab = self.paged.vocab_size
+        filtered = any(r.top_p < 1.0 or 0 < r.top_k < vocab for r in rows)
+        out = self.paged.decode([self._states[r] for r in rows], [r.output_ids[-1] for r in rows], filtered)
+        for row, tok, lp in zip(rows, out.tokens, out.logprobs, strict=True):
+            self._append(row, tok, lp)
+        self._stamp_versions(rows)
+        n = len(rows)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += n
+        self.stats["max_decode_batch"] = max(self.stats["max_decode_batch"], n)
+
+    def _prefill(self) -> None:
+        budget = self.chunk_tokens
+        chunks: list[tuple[SeqState, list[int], bool]] = []
+        sampled: list[GenRequest] = []
+
+        def add(row: GenRequest, state: SeqState) -> None:
+            nonlocal budget
+            n = min(row.num_fed - state.kv_len, budget)
+            if n <= 0:
+                return
+            want = state.kv_len + n == row.num_fed and not row.output_ids
+            chunks.append((state, row.sequence[state.kv_len : state.kv_len + n], want))
+            if want:
+                sampled.append(row)
+            budget -= n
+
+        for row in self._running.rows:
+            state = self._states[row]
+            if state.kv_len < row.num_fed and budget > 0:
+                add(row, state)
+        scoring = self._admit_into(add, lambda: budget)
+        if scoring:
+            self._score(scoring)
+        if not chunks:
+            return
+        new = [r for r in self._running.rows if self._states[r].kv_len == 0]
+        out = self.paged.prefill(chunks)
+        for row, tok, lp in zip(sampled, out.tokens, out.logprobs, strict=True):
+            self._append(row, tok, lp)
+        self._stamp_versions(sampled)
+        self.stats["prefill_batches"] += 1
+        self.stats["prefill_chunks"] += len(chunks)
+        self.stats["prefill_requests"] += len(new)
+        self.stats["max_prefill_batch"] = max(self.stats["max_prefill_batch"], len(chunks))
+        self.stats["prefilled_tokens"] += self.chunk_tokens - budget
+
+    def _admit_into(self, add: Any, budget: Any) -> list[GenRequest]:
+        """Move queued requests into the running set while blocks, rows and the chunk budget allow;
+        returns the pure scoring requests taken from the queue."""
+        scoring: list[GenRequest] = []
+        capacity = self.paged.allocator.capacity_tokens
+        while budget() > 0:
+            with self._lock:
+                if not self._waiting:
+                    break
+                row = self._waiting[0]
+                if row.max_new_tokens == 0:
+                    self._waiting.popleft()
+                    scoring.append(row)
+                    continue
+                if self.paged.free_rows == 0 or len(self._running) >= self.max_batch_size:
+                    break
+                state = self._state(row)
+                need = row.num_fed + 1
+                too_long = need > capacity
+                if not too_long and not self.paged.grow(state, need):
+                    break  # wait for blocks
+                self._waiting.popleft()
+                if not too_long:
+                    self._running.rows.append(row)
+                    self._num_running = len(self._running)
+            if too_long:
+                row.finish = {
+                    "type": "abort",
+                    "message": f"the request needs {need} KV slots; the pool holds {capacity} "
+                    "(raise --mem-fraction or --kv-tokens)",
+                }
+                self._done(row)
+                continue
+            self.paged.attach(state, row.temperature, row.top_p, row.top_k)
+            add(row, state)
+        return scoring
+
+    def _score(self, rows: list[GenRequest]) -> None:
+        """Pure scoring requests, through the DynamicCache runner (exact input log-probs)."""
+        try:
+            self.runner.prefill(rows)
+        except Exception as exc:
+            for row in rows:
+                row.error = f"{type(exc).__name__}: {exc}"
+                row.finish = {"type": "abort", "message": row.error}
+                self._done(row)
+            raise
+        self.stats["scoring_requests"] += len(rows)
+        self.stats["input_positions_scored"] += sum(len(r.input_logprobs) for r in rows)
+        for row in rows:
+            self._done(row)
+
+    def _append(self, row: GenRequest, token: int, logprob: float) -> None:
+        row.output_ids.append(token)
+        row.output_logprobs.append(logprob)
+        limit = min(self.runner.max_context, self.paged.max_context)
+        if token in row.stop_ids:
+            row.finish = {"type": "stop", "matched": token}
+        elif len(row.output_ids) >= row.max_new_tokens or len(row.prompt_ids) + len(row.output_ids) >= limit:
+            row.finish = {"type": "length", "length": len(row.output_ids)}
+
+    # ------------------------------------------------------- leaving the batch
+
+    def _retract(self, row: GenRequest) -> None:
+        """Give back ``row``'s blocks and put it at the front of the queue (tokens kept)."""
+        self.paged.detach(self._states[row])
+        self._running.rows.remove(row)
+        with self._lock:
+            self._num_running = len(self._running)
+            self._waiting.appendleft(row)
+        self.stats["retractions"] += 1
+
+    def _retract_all(self) -> None:
+        for row in reversed(list(self._running.rows)):
+            self._retract(row)
+
+    def _retire(self) -> None:
+        keep: list[GenRequest] = []
+        done: list[GenRequest] = []
+        for row in self._running.rows:
+            if row.finish is None and row.abort_requested:
+                row.finish = {"type": "abort", "message": "aborted by request"}
+            (keep if row.finish is None else done).append(row)
+        if not done:
+            return
+        self._running.rows = keep
+        with self._lock:
+            self._num_running = len(keep)
+        for row in done:
+            self._done(row)
+
+    def _abort_everything(self, message: str) -> None:
+        rows, self._running.rows = self._running.rows, []
+        with self._lock:
+            queued = list(self._waiting)
+            self._waiting.clear()
+            self._num_running = 0
+        for row in [*rows, *queued]:
+            self._finish_abort(row, message)
+
+    def _fail_everything(self, error: str) -> None:
+        rows, self._running.rows = self._running.rows, []
+        with self._lock:
+            self._num_running = 0
+        for row in rows:
+            row.error = error
+            row.finish = row.finish or {"type": "abort", "message": error}
+            self._done(row)
+
+    def _done(self, row: GenRequest) -> None:
+        state = self._states.pop(row, None)
+        if state is not None:
+            self.paged.detach(state)  # every way out of the scheduler gives the blocks back
+        super()._done(row)

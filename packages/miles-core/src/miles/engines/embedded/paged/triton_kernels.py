@@ -1,0 +1,204 @@
+"""The two Triton kernels of the CUDA fast path: paged decode attention and plain sampling.
+
+Both read everything they need (sequence lengths, block tables, temperatures, keys)
+from device tensors, never from host values, so the launch arguments of a decode
+step do not change between steps and a CUDA graph can replay them.
+
+Why Triton rather than FlexAttention: a paged FlexAttention call needs a block mask
+rebuilt from the block tables on every step (and recompiled per batch shape),
+while this kernel walks the block table itself: one program per (row, KV head)
+loads the query heads of its GQA group once and streams that row's keys and values
+through an online softmax. Importing this module needs triton (on the GPU machine
+it ships with torch); the CPU path never imports it. ``TRITON_INTERPRET=1`` runs the
+kernels on the CPU for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    BT,
+    ROWS,
+    LENS,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,  # "ieee" for float32 (exact tests), "tf32" (ignored for bf16 inputs)
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(LENS + b)
+    row = tl.load(ROWS + b).to(tl.int64)  # this request's row of the block-table tensor
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    gmask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0
+    )
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        pos = start + offs_n
+        nmask = pos < seq_len
+        blk = tl.load(BT + row * stride_bt + pos // PAGE, mask=nmask, other=0)
+        slot = blk.to(tl.int64) * PAGE + pos % PAGE
+        kv_off = slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=nmask[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=nmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / l_sum[:, None]
+    tl.store(
+        Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=gmask[:, None],
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    page: int,
+) -> torch.Tensor:
+    """Attention of one query token per row over its paged KV.
+
+    ``q`` [B, H, D]; ``k_cache``/``v_cache`` [slots, KVH, D] (one layer); ``block_tables``
+    [R, max_blocks] int32, one row per request slot; ``rows`` [B] the block-table row of
+    each query; ``seq_lens`` [B] (keys to attend, the new one included).
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    _paged_decode_kernel[(batch, kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        rows,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=dim,
+        PAGE=page,
+        BLOCK_N=64,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+@triton.jit
+def _mix32(x, M1, M2, MASK):
+    x = x ^ (x >> 16)
+    x = (x * M1) & MASK
+    x = x ^ (x >> 15)
+    x = (x * M2) & MASK
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _sample_plain_kernel(L, TEMP, KEYS, TOK, LP, vocab, stride_l, MIN_T: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    M1 = tl.full([], 0x7FEB352D, tl.int64)
+    M2 = tl.full([], 0x846CA68B, tl.int64)
+    MASK = tl.full([], 0xFFFFFFFF, tl.int64)
+    t = tl.load(TEMP + r)
+    greedy = t < MIN_T
+    t = tl.where(greedy, 1.0, t)
+    key = tl.load(KEYS + r)
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_z = tl.zeros([], tl.float32)
+    best_i = tl.zeros([], tl.int64)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        valid = idx < vocab
+        z = tl.load(L + r * stride_l + idx, mask=valid, other=float("-inf")).to(tl.float32) / t
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+        h = _mix32(key ^ idx.to(tl.int64), M1, M2, MASK)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = -tl.log(-tl.log(u))
+        score = tl.where(greedy, z, z + g)
+        score = tl.where(valid, score, float("-inf"))
+        tile_best = tl.max(score, 0)
+        tile_arg = tl.argmax(score, 0)
+        tile_z = tl.sum(tl.where(offs == tile_arg, z, 0.0), 0)
+        take = tile_best > best  # strict: the first maximum wins, as torch.argmax
+        best_i = tl.where(take, (start + tile_arg).to(tl.int64), best_i)
+        best_z = tl.where(take, tile_z, best_z)
+        best = tl.where(take, tile_best, best)
+    tl.store(TOK + r, best_i)
+    tl.store(LP + r, best_z - m - tl.log(s))
+
+
+def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> tuple[Any, Any]:
+    """Tokens and log-probs of rows without top-k/top-p, one pass over the logits per row."""
+    from miles.engines.embedded.paged.sampling import MIN_TEMPERATURE
+
+    batch, vocab = logits.shape
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _sample_plain_kernel[(batch,)](
+        logits,
+        temperature,
+        keys,
+        tokens,
+        logprobs,
+        vocab,
+        logits.stride(0),
+        MIN_T=MIN_TEMPERATURE,
+        BLOCK=2048,
+        num_warps=8,
+    )
+    return tokens, logprobs

@@ -1,0 +1,282 @@
+"""The paged KV path on the CPU: allocator accounting, sampling, and the paged engine against the
+DynamicCache engine on a tiny Qwen3 (chunked prefill, preemption, pause, memory release)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3
+from miles.engines.embedded.paged.allocator import BlockAllocator, OutOfBlocks
+from miles.engines.embedded.paged.sampling import SamplingTensors, sample_torch
+
+PROMPTS = [[7, 3, 9, 1], [5, 6, 2, 8, 11, 4, 4, 9, 13, 2, 1], [100, 3], list(range(20, 57))]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- allocator
+
+
+def test_allocator_accounting() -> None:
+    a = BlockAllocator(9, 4)
+    assert a.num_free == 8 and a.capacity_tokens == 32 and a.blocks_for(9) == 3
+    x = a.allocate(3)
+    y = a.allocate(5)
+    assert 0 not in x + y and len(set(x + y)) == 8 and a.num_free == 0
+    with pytest.raises(OutOfBlocks):
+        a.allocate(1)
+    a.share(x[:2])  # a second holder of a shared prefix
+    a.release(x)
+    assert a.num_free == 1 and a.refcount(x[0]) == 1
+    a.release(x[:2])
+    a.release(y)
+    assert a.num_free == 8
+    a.check()
+    with pytest.raises(ValueError, match="double free"):
+        a.release([x[0]])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.share([x[0]])
+
+
+# ----------------------------------------------------------------- sampling
+
+
+def _st(n: int, vocab: int, **kw: Any) -> SamplingTensors:
+    base: dict[str, Any] = dict(
+        temperature=torch.ones(n),
+        top_p=torch.ones(n),
+        top_k=torch.full((n,), vocab),
+        seeds=torch.arange(n) * 7919 + 1,
+        positions=torch.full((n,), 5),
+        filtered=False,
+    )
+    base.update(kw)
+    return SamplingTensors(**base)
+
+
+def test_sampling_is_a_function_of_seed_and_position() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 2
+    a, lp_a = sample_torch(logits, _st(6, 50))
+    b, _ = sample_torch(logits, _st(6, 50))
+    c, _ = sample_torch(logits, _st(6, 50, positions=torch.full((6,), 6)))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.allclose(lp_a, torch.log_softmax(logits, -1).gather(1, a[:, None]).squeeze(1))
+    greedy, lp_g = sample_torch(logits, _st(6, 50, temperature=torch.zeros(6)))
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.allclose(lp_g, torch.log_softmax(logits, -1).max(-1).values)
+
+
+def test_sampling_frequencies_and_truncation() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None].repeat(4000, 1)
+    n = logits.shape[0]
+    tokens, _ = sample_torch(logits, _st(n, 4, seeds=torch.arange(n)))
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    top2, lp = sample_torch(
+        logits, _st(n, 4, seeds=torch.arange(n), top_k=torch.full((n,), 2), filtered=True)
+    )
+    assert set(top2.tolist()) == {0, 1}
+    # The log-prob is the full-vocabulary one, not the truncated distribution's.
+    assert torch.allclose(lp, torch.log(torch.tensor([0.5, 0.3]))[top2])
+    nucleus, _ = sample_torch(
+        logits, _st(n, 4, seeds=torch.arange(n), top_p=torch.full((n,), 0.7), filtered=True)
+    )
+    assert set(nucleus.tolist()) == {0, 1}  # 0.5 < 0.7, then 0.8 >= 0.7: the third is dropped
+
+
+# ------------------------------------------------------------ the engines
+
+
+@pytest.fixture(scope="module")
+def model_dir(engine_tmp: Path) -> Path:
+    return make_tiny_qwen3(engine_tmp / "paged-model", seed=3)
+
+
+def _engine(model_dir: Path, **options: Any) -> Any:
+    from miles.engines.embedded.engine import EmbeddedEngine, EngineOptions
+
+    engine = EmbeddedEngine(
+        EngineOptions(model_path=str(model_dir), device="cpu", dtype="float32", **options)
+    )
+    engine.start()
+    return engine
+
+
+def _generate(engine: Any, prompts: list[list[int]], **params: Any) -> list[Any]:
+    """Submit every prompt at once; wait for all answers."""
+    done = threading.Semaphore(0)
+    reqs = []
+    for p in prompts:
+        fields: dict[str, Any] = dict(
+            max_new_tokens=12,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            stop_token_ids=[],
+            seed=None,
+            ignore_eos=True,
+            return_logprob=True,
+            return_routed_experts=False,
+        )
+        fields.update(params)
+        req = engine.make_request(input_ids=p, rid=None, **fields)
+        req.on_done = lambda r: done.release()
+        reqs.append(req)
+    for r in reqs:
+        engine.scheduler.submit(r)
+    for _ in reqs:
+        assert done.acquire(timeout=120)
+    return reqs
+
+
+def _paged(model_dir: Path, **options: Any) -> Any:
+    return _engine(model_dir, kv_cache="paged", kv_tokens=options.pop("kv_tokens", 512), **options)
+
+
+def test_paged_greedy_equals_dynamic_and_full_forward(model_dir: Path) -> None:
+    dynamic = _engine(model_dir, kv_cache="dynamic")
+    paged = _paged(model_dir, chunk_tokens=7, block_size=4)  # prompts cut in chunks of 7
+    try:
+        assert paged.server_info()["kv_cache"] == "paged"
+        a = _generate(dynamic, PROMPTS)
+        b = _generate(paged, PROMPTS)
+        local = load_local(model_dir)
+        for x, y, prompt in zip(a, b, PROMPTS, strict=True):
+            assert y.finish == {"type": "length", "length": 12}
+            assert y.output_ids == x.output_ids
+            assert y.output_logprobs == pytest.approx(x.output_logprobs, abs=1e-5)
+            assert y.output_logprobs == pytest.approx(
+                full_forward_logprobs(local, prompt, y.output_ids, 0.0), abs=1e-5
+            )
+        assert paged.scheduler.stats["prefill_chunks"] > len(PROMPTS)  # the long prompt took several
+        assert paged.paged.allocator.num_free == paged.paged.allocator.num_blocks - 1
+    finally:
+        dynamic.stop()
+        paged.stop()
+
+
+def test_paged_sampled_logprobs_match_a_full_forward(model_dir: Path) -> None:
+    paged = _paged(model_dir)
+    try:
+        reqs = _generate(paged, PROMPTS, temperature=0.8, seed=11, max_new_tokens=10)
+        again = _generate(paged, PROMPTS, temperature=0.8, seed=11, max_new_tokens=10)
+        local = load_local(model_dir)
+        for r, s, prompt in zip(reqs, again, PROMPTS, strict=True):
+            assert r.output_ids == s.output_ids  # seeded: the same draws
+            expected = full_forward_logprobs(local, prompt, r.output_ids, 0.8)
+            assert r.output_logprobs == pytest.approx(expected, abs=1e-5)
+        filtered = _generate(paged, PROMPTS, temperature=1.0, top_k=3, top_p=0.9, seed=2, max_new_tokens=6)
+        assert all(len(r.output_ids) == 6 for r in filtered)
+    finally:
+        paged.stop()
+
+
+def test_preemption_keeps_tokens_and_logprobs(model_dir: Path) -> None:
+    prompts = [list(range(10 + i, 22 + i)) for i in range(6)]  # 12 tokens each, 6 at once
+    roomy = _paged(model_dir, kv_tokens=1024, block_size=4)
+    # 64 slots: each request needs up to 12 + 24 = 36, so decodes run out of blocks and retract.
+    tight = _paged(model_dir, kv_tokens=64, block_size=4)
+    try:
+        a = _generate(roomy, prompts, max_new_tokens=24, temperature=0.9, seed=5)
+        b = _generate(tight, prompts, max_new_tokens=24, temperature=0.9, seed=5)
+        assert tight.scheduler.stats["retractions"] > 0
+        assert roomy.scheduler.stats["retractions"] == 0
+        for x, y in zip(a, b, strict=True):
+            assert y.finish == {"type": "length", "length": 24}
+            assert y.output_ids == x.output_ids
+            assert y.output_logprobs == pytest.approx(x.output_logprobs, abs=1e-5)
+        alloc = tight.paged.allocator
+        alloc.check()
+        assert alloc.num_free == alloc.num_blocks - 1  # nothing leaked
+    finally:
+        roomy.stop()
+        tight.stop()
+
+
+def test_too_long_for_the_pool_is_refused_clearly(model_dir: Path) -> None:
+    paged = _paged(model_dir, kv_tokens=16, block_size=4)
+    try:
+        [r] = _generate(paged, [list(range(1, 30))])
+        assert r.finish is not None and r.finish["type"] == "abort"
+        assert "KV slots" in r.finish["message"]
+    finally:
+        paged.stop()
+
+
+def test_pause_retract_and_release_resume(model_dir: Path) -> None:
+    paged = _paged(model_dir)
+    try:
+        results: list[Any] = []
+        worker = threading.Thread(target=lambda: results.extend(_generate(paged, PROMPTS, max_new_tokens=40)))
+        paged.scheduler.pause("retract")
+        worker.start()
+        paged.scheduler.resume()
+        paged.scheduler.pause("retract")  # somewhere mid-stream
+        freed = paged.release_memory()
+        assert freed == paged.paged.pool.shape.bytes(4) and not paged.paged.pool.allocated
+        assert paged.server_info()["kv_pool"]["released"]
+        paged.resume_memory()
+        paged.scheduler.resume()
+        worker.join(timeout=120)
+        expected = _generate(paged, PROMPTS, max_new_tokens=40)
+        for r, e in zip(results, expected, strict=True):
+            assert r.output_ids == e.output_ids
+            assert r.output_logprobs == pytest.approx(e.output_logprobs, abs=1e-5)
+    finally:
+        paged.stop()
+
+
+def test_refusals_and_scoring(model_dir: Path, engine_tmp: Path) -> None:
+    paged = _paged(model_dir)
+    dynamic = _engine(model_dir, kv_cache="dynamic")
+    try:
+        req = paged.make_request(
+            input_ids=PROMPTS[0],
+            rid=None,
+            max_new_tokens=3,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            stop_token_ids=[],
+            seed=None,
+            ignore_eos=True,
+            return_logprob=True,
+            return_routed_experts=False,
+            top_logprobs_num=2,
+        )
+        with pytest.raises(ValueError, match="kv-cache dynamic"):
+            paged.scheduler.submit(req)
+        # Pure scoring is served (by the DynamicCache runner) with the same values as the dynamic engine.
+        a = _generate(paged, PROMPTS, max_new_tokens=0, logprob_start_len=0, top_logprobs_num=2)
+        b = _generate(dynamic, PROMPTS, max_new_tokens=0, logprob_start_len=0, top_logprobs_num=2)
+        for x, y in zip(a, b, strict=True):
+            assert x.input_logprobs == pytest.approx(y.input_logprobs, abs=1e-6)
+            assert x.input_top == y.input_top
+        with pytest.raises(ValueError, match="memory release needs the paged"):
+            dynamic.release_memory()
+    finally:
+        paged.stop()
+        dynamic.stop()
+    moe = make_tiny_qwen3(engine_tmp / "paged-moe", seed=0, moe=True)
+    with pytest.raises(ValueError, match="cannot run this model"):
+        _paged(moe)
+    fallback = _engine(moe, kv_cache="auto")
+    try:
+        assert fallback.server_info()["kv_cache"] == "dynamic"
+    finally:
+        fallback.stop()
+    with pytest.raises(ValueError, match="kv_tokens"):
+        _engine(model_dir, kv_cache="paged")
