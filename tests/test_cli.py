@@ -242,6 +242,7 @@ def test_plugins_json_and_table() -> None:
     assert rows["miles-example-plugin"]["status"] == "active"
     assert rows["miles-example-plugin"]["provides"] == [
         "hooks:example",
+        "engine:echo",
         "loss:reinforce",
         "reward:length_penalty",
     ]

@@ -351,7 +351,7 @@ def test_list_plugins_rows() -> None:
     rows = {row.distribution: row for row in list_plugins()}
     example = rows["miles-example-plugin"]
     assert (example.version, example.status) == ("0.3.0", "active")
-    assert example.provides == ["hooks:example", "loss:reinforce", "reward:length_penalty"]
+    assert example.provides == ["hooks:example", "engine:echo", "loss:reinforce", "reward:length_penalty"]
     broken = rows["miles-broken-plugin"]
     assert broken.status == (
         "broken: hooks 'broken' failed to import: ModuleNotFoundError: No module named 'miles_nonexistent_dependency'; "

@@ -10,7 +10,8 @@ same way:
   with and the transport options that go with them (whether a restarted engine can rejoin it
   is its ``reconnect``: see miles.driver.fleet);
 - an **engine kind** (its launcher class) sets ``capabilities = EngineCapabilities(...)``
-  (the weight receivers it has) and builds its client with ``client(url)``;
+  (the weight receivers it has) and builds its client with ``client(url)``, which every path
+  that talks to engines uses (``engine_client_factory``);
 - a **generate function** carries ``GenerateNeeds`` (``@declare_needs(GenerateNeeds(...))``):
   a model family, the session server, the synchronous schedule;
 - a **filter** carries ``FilterNeeds`` (the smallest group it can judge).
@@ -30,6 +31,7 @@ from miles.errors import ConfigError
 
 if TYPE_CHECKING:
     from miles.config.schema import MilesConfig
+    from miles.interfaces import EngineClient
 
 PlacementMode = Literal["colocated", "disaggregated"]
 # The placement mode in which trainer and engines share the devices (the trainer is offloaded while
@@ -134,6 +136,17 @@ def engine_capabilities(launcher: object) -> EngineCapabilities:
             f"engine launcher {launcher!r} declares capabilities={caps!r}; expected EngineCapabilities"
         )
     return caps
+
+
+def engine_client_factory(config: MilesConfig) -> Callable[[str], EngineClient]:
+    """How the recipe's engine kind talks to one of its engines: its launcher's ``client(url)``.
+
+    Everything that talks to engines (rollout, evaluation, served teachers, the session server)
+    builds its clients with this, so an engine kind that brings its own client is used everywhere.
+    """
+    from miles.plugins import make_component
+
+    return make_component("engine", config.engine.launcher).client
 
 
 def generate_needs(config: MilesConfig) -> GenerateNeeds:

@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from miles.distill.topk import CANDIDATES, Candidates, reverse_kl_sequence
-from miles.engines.client import EngineCall, SGLangClient
+from miles.engines.client import SGLangClient
 from miles.errors import ConfigError, EngineError
-from miles.interfaces import OPD_REVERSE_KL, TEACHER_LOGPROBS, RolloutContext
+from miles.interfaces import OPD_REVERSE_KL, TEACHER_LOGPROBS, EngineClient, RolloutContext
 from miles.types import Sample
 
 #: ``token_scores`` key of the top-K estimate (read by the advantage folding).
@@ -46,14 +46,21 @@ PROBE_TEXT = (
 )
 
 
-def _as_client(teacher: SGLangClient | str, timeout: float) -> SGLangClient:
-    return teacher if isinstance(teacher, SGLangClient) else SGLangClient(teacher, timeout=timeout)
+def _as_client(teacher: EngineClient | str, timeout: float) -> EngineClient:
+    """A URL is spoken to over SGLang's native API (which both built-in engine kinds serve); a run
+    hands in its engine kind's own clients (``miles.capabilities.engine_client_factory``)."""
+    return SGLangClient(teacher, timeout=timeout) if isinstance(teacher, str) else teacher
+
+
+def _is_client(teacher: object) -> bool:
+    return isinstance(getattr(teacher, "url", None), str) and callable(getattr(teacher, "score", None))
 
 
 class ServedTeacher:
     """A :data:`~miles.interfaces.SampleScorer` that asks served teachers for log-probs.
 
-    ``teachers`` maps names to engines (an :class:`SGLangClient` or a URL). A sample goes to
+    ``teachers`` maps names to engines (an :class:`~miles.interfaces.EngineClient`, e.g. the engine
+    kind's own client, or the URL of an engine serving SGLang's native API). A sample goes to
     the teacher named by ``sample.prompt.metadata[route_key]``, else to ``"default"``.
     ``temperature`` must be the rollout's: teacher and student log-probs are both taken
     from ``logits / T`` (0 means greedy sampling, scored at T = 1). ``top_k`` 0 records
@@ -67,7 +74,7 @@ class ServedTeacher:
 
     def __init__(
         self,
-        teachers: Mapping[str, SGLangClient | str],
+        teachers: Mapping[str, EngineClient | str],
         *,
         route_key: str = "teacher",
         temperature: float = 1.0,
@@ -79,9 +86,11 @@ class ServedTeacher:
             raise ConfigError(
                 "served teacher: teachers must map at least one name to an engine URL or client"
             )
-        bad = [name for name, t in teachers.items() if not isinstance(t, SGLangClient | str)]
+        bad = [name for name, t in teachers.items() if not (isinstance(t, str) or _is_client(t))]
         if bad:
-            raise ConfigError(f"served teacher: teachers {bad} are neither an engine URL nor an SGLangClient")
+            raise ConfigError(
+                f"served teacher: teachers {bad} are neither an engine URL nor an engine client (with url and score)"
+            )
         if (
             isinstance(temperature, bool)
             or not isinstance(temperature, int | float)
@@ -106,7 +115,7 @@ class ServedTeacher:
         urls = {name: client.url for name, client in self.teachers.items()}
         return f"ServedTeacher({urls}, top_k={self.top_k}, candidates={self.candidates!r})"
 
-    def teacher_for(self, sample: Sample) -> tuple[str, SGLangClient]:
+    def teacher_for(self, sample: Sample) -> tuple[str, EngineClient]:
         """The (name, client) that scores ``sample``; ValueError when its tag names no teacher."""
         tag = sample.prompt.metadata.get(self.route_key)
         name = DEFAULT_TEACHER if tag is None else str(tag)
@@ -180,7 +189,11 @@ class ServedTeacher:
     async def aclose(self) -> None:
         """Close the teachers' connection pools (of the running event loop)."""
         for client in self.teachers.values():
-            await client.aclose()
+            close = getattr(
+                client, "aclose", None
+            )  # not part of EngineClient: a client may hold nothing open
+            if close is not None:
+                await close()
 
 
 # ------------------------------------------------------------------ tokenizer check
@@ -205,42 +218,42 @@ def tokenizer_probe(tokenizer: Any) -> list[str]:
     return parts
 
 
-async def check_same_tokenizer(client: SGLangClient | str, tokenizer: Any, *, timeout: float = 120.0) -> None:
+async def check_same_tokenizer(client: EngineClient | str, tokenizer: Any, *, timeout: float = 120.0) -> None:
     """Raise EngineError unless the engine at ``client`` tokenizes like ``tokenizer``.
 
     A served teacher scores the student's token ids, which is meaningful only when both
-    share one vocabulary. The engine tokenizes each :func:`tokenizer_probe` text (sent as
-    ``text``; nothing is generated) and reports the ids it used; they must equal
+    share one vocabulary. The engine tokenizes each :func:`tokenizer_probe` text (its client's
+    ``tokenize(text)``; SGLang's API sends it as ``text`` and generates nothing) and reports the
+    ids it used; they must equal
     ``tokenizer.encode(probe)``, with or without the special tokens (BOS, ...) the
     tokenizer adds around a text, or with the tokenizer's BOS in front: whether an
     engine adds them is its own setting, and scoring sends ids, never text, so only the
     vocabulary has to agree. The error names the engine and the first position where
     the ids differ.
     """
-    owned = not isinstance(client, SGLangClient)
-    client = _as_client(client, timeout)
+    owned = isinstance(client, str)
+    engine = _as_client(client, timeout)
     try:
         for probe in tokenizer_probe(tokenizer):
-            await _check_probe(client, tokenizer, probe, timeout)
+            await _check_probe(engine, tokenizer, probe, timeout)
     finally:
-        if owned:
-            await client.aclose()
+        close = getattr(engine, "aclose", None)
+        if owned and close is not None:
+            await close()
 
 
-async def _check_probe(client: SGLangClient, tokenizer: Any, probe: str, timeout: float) -> None:
-    body = {
-        "text": probe,
-        "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    data = await client.call(EngineCall("POST", "/generate", body), timeout=timeout)
-    entries = (data.get("meta_info") or {}).get("input_token_logprobs") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        raise EngineError(
-            f"engine {client.url}: the tokenizer check got no meta_info.input_token_logprobs from /generate"
-        )
-    engine_ids = [int(e[1]) for e in entries]
+async def _check_probe(client: EngineClient, tokenizer: Any, probe: str, timeout: float) -> None:
+    if isinstance(client, SGLangClient):
+        engine_ids = await client.tokenize(probe, timeout=timeout)
+    else:
+        tokenize = getattr(client, "tokenize", None)
+        if not callable(tokenize):
+            raise EngineError(
+                f"engine {client.url}: its client ({type(client).__module__}.{type(client).__qualname__}) has no "
+                "tokenize(text), so Miles cannot check that this served teacher tokenizes like the student; "
+                "give the engine kind's client an async tokenize(text) -> list[int]"
+            )
+        engine_ids = [int(i) for i in await asyncio.wait_for(tokenize(probe), timeout)]
     plain = list(tokenizer.encode(probe, add_special_tokens=False))
     with_specials = list(tokenizer.encode(probe))
     accepted = [plain, with_specials]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from miles.config.schema import MilesConfig
-from miles.interfaces import AgenticContext
+from miles.interfaces import AgenticContext, EngineClient
 from miles.plugins import load_component, make_component
 from miles.types import SamplingParams
 
@@ -42,23 +42,39 @@ def uses_server(config: MilesConfig) -> bool:
     return uses_session_server(config)
 
 
-def fleet_dp_sizes(engine_urls: list[str]) -> list[int]:
+def fleet_dp_sizes(engine_urls: list[str], config: MilesConfig | None = None) -> list[int]:
     """Each engine's data-parallel ranks (``dp_size`` of ``/get_server_info``), so that session
-    routing can pin a session to one rank of an engine that has several (SGLang with DP attention)."""
+    routing can pin a session to one rank of an engine that has several (SGLang with DP attention).
+
+    The engines are asked through ``config``'s engine kind's client; without ``config``, through
+    the client of SGLang's native API, which both built-in kinds serve."""
     import asyncio
 
-    from miles.engines.client import SGLangClient
     from miles.engines.router import engine_dp_sizes
 
+    make_client = _client_factory(config)
+
     async def ask() -> list[int]:
-        clients = [SGLangClient(url) for url in engine_urls]
+        clients = [make_client(url) for url in engine_urls]
         try:
             return await engine_dp_sizes(clients)
         finally:
             for client in clients:
-                await client.aclose()
+                close = getattr(client, "aclose", None)
+                if close is not None:
+                    await close()
 
     return asyncio.run(ask())
+
+
+def _client_factory(config: MilesConfig | None) -> Callable[[str], EngineClient]:
+    if config is not None:
+        from miles.capabilities import engine_client_factory
+
+        return engine_client_factory(config)
+    from miles.engines.client import SGLangClient
+
+    return SGLangClient
 
 
 @contextlib.contextmanager
@@ -74,7 +90,7 @@ def session_server(
     if agentic is None or not uses_server(config):
         yield agentic
         return
-    from miles.engines.client import SGLangClient
+    from miles.capabilities import engine_client_factory
     from miles.engines.router import Router
     from miles.session_server.app import ServerState
     from miles.session_server.service import session_service
@@ -82,7 +98,8 @@ def session_server(
 
     a = config.agentic
     assert a is not None  # an AgenticContext is only resolved from an agentic section
-    clients = [SGLangClient(url) for url in engine_urls]  # opened on the server's own event loop
+    make_client = engine_client_factory(config)  # the engine kind's own client
+    clients = [make_client(url) for url in engine_urls]  # opened on the server's own event loop
     state = ServerState(
         store=SessionStore(mode=agentic.session_mode, matcher=agentic.matcher),
         family=agentic.family,

@@ -181,16 +181,16 @@ def served_teacher(config: MilesConfig, tokenizer: Any, loop: Any, log_dir: str)
         yield None
         return
     from miles.distill.served import ServedTeacher, check_same_tokenizer
-    from miles.engines.client import SGLangClient
     from miles.models.registry import resolve_model
 
     with contextlib.ExitStack() as stack:
         launch = {name: t.model for name, t in distill.teachers.items() if t.model is not None}
         urls = {name: t.url for name, t in distill.teachers.items() if t.url is not None}
+        # Teachers are engines of the run's own kind: one given by its model is launched by it, and
+        # every teacher is talked to through its client.
+        launcher: EngineLauncher = make_component("engine", config.engine.launcher)
+        stack.callback(launcher.shutdown)
         if launch:
-            # A teacher given by its model runs on an engine of the run's own kind.
-            launcher: EngineLauncher = make_component("engine", config.engine.launcher)
-            stack.callback(launcher.shutdown)
             eng = config.engine
             options = {
                 "device": eng.device,
@@ -204,11 +204,13 @@ def served_teacher(config: MilesConfig, tokenizer: Any, loop: Any, log_dir: str)
                 EngineSpec(model_path=resolve_model(launch[n]), host=eng.host, options=options) for n in names
             ]
             urls.update(zip(names, launcher.launch(specs, log_dir), strict=True))
-        clients = {name: SGLangClient(url) for name, url in urls.items()}
+        clients = {name: launcher.client(url) for name, url in urls.items()}
 
         async def close_clients() -> None:
             for client in clients.values():
-                await client.aclose()
+                close = getattr(client, "aclose", None)  # not part of EngineClient
+                if close is not None:
+                    await close()
 
         stack.callback(lambda: loop.run_until_complete(close_clients()))
         for client in clients.values():

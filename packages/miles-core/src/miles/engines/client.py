@@ -722,6 +722,25 @@ class SGLangClient:
             data, input_ids, start=start, top_k=top_k, token_ids=token_ids, url=self.url
         )
 
+    async def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        """The ids the engine tokenizes ``text`` into (``/generate`` with ``max_new_tokens`` 0 and the
+        prompt's log-probs: nothing is generated). A served teacher's tokenizer check uses it."""
+        body = {
+            "text": text,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        data = await self.call(EngineCall("POST", "/generate", body), timeout=timeout)
+        entries = (
+            (data.get("meta_info") or {}).get("input_token_logprobs") if isinstance(data, dict) else None
+        )
+        if not isinstance(entries, list):
+            raise EngineError(
+                f"engine {self.url}: the tokenizer check got no meta_info.input_token_logprobs from /generate"
+            )
+        return [int(e[1]) for e in entries]
+
     async def health(self, timeout: float = 5.0) -> bool:
         try:
             status, _ = await self._request(HEALTH, timeout)

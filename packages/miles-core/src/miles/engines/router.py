@@ -58,7 +58,6 @@ from miles.engines.health import board_for
 from miles.errors import ConfigError, EngineError, MilesError
 
 if TYPE_CHECKING:
-    from miles.engines.client import SGLangClient
     from miles.interfaces import EngineClient
     from miles.types import GenerateOutput, SamplingParams
 
@@ -151,16 +150,21 @@ class Route:
                 await self._router._move(self)
 
 
-async def engine_dp_sizes(engines: Sequence[SGLangClient]) -> list[int]:
+async def engine_dp_sizes(engines: Sequence[EngineClient]) -> list[int]:
     """Each engine's number of data-parallel ranks: ``dp_size`` in its ``/get_server_info``.
 
     SGLang reports its server arguments there (``dp_size`` among them); the embedded engine
-    reports 1. An engine that does not say has one rank.
+    reports 1. An engine that does not say (or whose client has no ``get_server_info``) has one rank.
     """
-    infos = await asyncio.gather(*(engine.get_server_info() for engine in engines))
+
+    async def info(engine: EngineClient) -> Any:
+        ask = getattr(engine, "get_server_info", None)
+        return await ask() if ask is not None else None
+
+    infos = await asyncio.gather(*(info(engine) for engine in engines))
     sizes = []
-    for engine, info in zip(engines, infos, strict=True):
-        size = (info or {}).get("dp_size", 1)
+    for engine, found in zip(engines, infos, strict=True):
+        size = (found or {}).get("dp_size", 1)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise EngineError(
                 f"engine {engine.url}: /get_server_info reports dp_size {size!r}, not an integer >= 1"

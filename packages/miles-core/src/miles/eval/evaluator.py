@@ -52,7 +52,7 @@ from miles.eval.result import (
 from miles.eval.scoring import EvalScore, eval_set_from_config
 from miles.eval.snapshot import export_snapshot, remove_snapshot
 from miles.eval.versions import VersionStats
-from miles.interfaces import AgenticContext
+from miles.interfaces import AgenticContext, EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Evaluator:
         self._drained: list[EvalResult] = []
         self._latest_step = -1
         self._loop: _EvalLoop | None = None
-        self._clients: list[Any] = []
+        self._clients: list[EngineClient] = []
         self._fleet: Any = None  # the dedicated fleet's launcher
         self._fleet_guard: asyncio.Lock | None = None  # one snapshot on the fleet at a time
         self.fleet_urls: list[str] = []
@@ -182,19 +182,20 @@ class Evaluator:
         loop = _EvalLoop()
         loop.start()
         try:
-            urls: list[str] = []
+            # Clients of the run's engine kind (its launcher's own client), on the rollout engines or
+            # on the dedicated fleet; the external mode talks to no engine here.
             if self.mode == "shared":
-                urls = self.engine_urls
+                from miles.capabilities import engine_client_factory
+
+                make_client = engine_client_factory(self.config)
+                self._clients = [make_client(url) for url in self.engine_urls]
             elif self.mode == "dedicated":
                 from miles.eval.dedicated import launch_fleet
 
                 self._fleet, self.fleet_urls = launch_fleet(
                     self.config, self.model_path, os.path.join(self.run_dir, "eval_engines")
                 )
-                urls = self.fleet_urls
-            from miles.engines.client import SGLangClient
-
-            self._clients = [SGLangClient(url) for url in urls]
+                self._clients = [self._fleet.client(url) for url in self.fleet_urls]
         except BaseException:
             loop.stop([])
             if self._fleet is not None:
@@ -224,7 +225,8 @@ class Evaluator:
                 if job.future is not None:
                     job.future.cancel()
         assert self._loop is not None
-        closers = [c.aclose for c in self._clients] + [self.eval_set.aclose]
+        # ``aclose`` is not part of EngineClient: a client that holds nothing open has none.
+        closers = [c.aclose for c in self._clients if hasattr(c, "aclose")] + [self.eval_set.aclose]
         self._loop.stop(closers)
         for job in running:  # workers remove their snapshots once their rollout is cancelled
             job.done.wait(timeout=5.0)

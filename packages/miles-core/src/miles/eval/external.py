@@ -24,7 +24,7 @@ from miles.errors import ConfigError
 from miles.eval.result import BACKEND_ERROR, EvalSkipped
 from miles.eval.scoring import EvalScore, build_eval_set
 from miles.eval.versions import VersionStats
-from miles.interfaces import EvalBackend, EvalRequest
+from miles.interfaces import EngineClient, EvalBackend, EvalRequest
 
 VERSION_METRICS = ("mean_weight_version", "mixed_version_fraction")
 
@@ -140,7 +140,7 @@ class EmbeddedEngineEval:
         with tempfile.TemporaryDirectory(prefix="miles-eval-engine-") as tmp:
             try:
                 [url] = launcher.launch([spec], self.log_dir or tmp)
-                score = asyncio.run(_score(eval_set, url, request.weight_version))
+                score = asyncio.run(_score(eval_set, launcher.client(url), request.weight_version))
             finally:
                 launcher.shutdown()
         if score.aborted:
@@ -152,14 +152,13 @@ class EmbeddedEngineEval:
         }
 
 
-async def _score(eval_set: Any, url: str, version: int) -> EvalScore:
-    from miles.engines.client import SGLangClient
-
-    client = SGLangClient(url)
+async def _score(eval_set: Any, client: EngineClient, version: int) -> EvalScore:
     try:
         return await eval_set.score([client], version)
     finally:
-        await client.aclose()
+        close = getattr(client, "aclose", None)
+        if close is not None:
+            await close()
         await eval_set.aclose()
 
 

@@ -37,6 +37,7 @@ from fastapi.routing import APIRoute
 from miles.engines.router import Router
 from miles.errors import EngineError
 from miles.families import FamilyError
+from miles.interfaces import EngineClient
 from miles.session_server.openai_types import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -113,7 +114,7 @@ class ServerState:
     store: SessionStore
     family: Any  # miles.families ModelFamily: render_ids, suffix_ids, parse_reply, stop_token_ids
     tokenizer: Any
-    engines: list[Any]  # EngineClient (async)
+    engines: list[EngineClient]  # the engine kind's clients (async)
     sampling: SamplingParams
     model_name: str = "policy"
     max_seq_len: int | None = None
