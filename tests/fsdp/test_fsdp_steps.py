@@ -33,18 +33,28 @@ def test_step_metrics_add_counts_and_times_and_weigh_the_rest_by_loss_tokens():
     out = combine_step_metrics(
         [
             (
-                {"train/loss": 1.0, "train/lr": 0.1, "train/num_tokens": 10.0, "time/train/optimizer_s": 2.0},
+                {
+                    "train/loss": 1.0,
+                    "train/lr": 0.1,
+                    "train/num_tokens": 10.0,
+                    "time/train_step/optimizer_s": 2.0,
+                },
                 1,
             ),
             (
-                {"train/loss": 4.0, "train/lr": 0.2, "train/num_tokens": 30.0, "time/train/optimizer_s": 3.0},
+                {
+                    "train/loss": 4.0,
+                    "train/lr": 0.2,
+                    "train/num_tokens": 30.0,
+                    "time/train_step/optimizer_s": 3.0,
+                },
                 3,
             ),
         ]
     )
     assert out["train/loss"] == pytest.approx(3.25)  # (1*1 + 4*3) / 4
     assert out["train/lr"] == 0.1 and out["train/num_tokens"] == 40.0
-    assert out["time/train/optimizer_s"] == 5.0 and out["train/optimizer_steps"] == 2.0
+    assert out["time/train_step/optimizer_s"] == 5.0 and out["train/optimizer_steps"] == 2.0
 
 
 def test_several_steps_equal_the_same_steps_taken_one_by_one(tiny_model, backend_factory, tmp_path):
@@ -60,7 +70,7 @@ def test_several_steps_equal_the_same_steps_taken_one_by_one(tiny_model, backend
     metrics = split.train_step(batch)
     assert metrics["train/optimizer_steps"] == 2.0
     assert metrics["train/num_loss_tokens"] == batch.num_loss_tokens
-    assert metrics["time/train/old_logprobs_s"] > 0
+    assert metrics["time/train_step/old_logprobs_s"] > 0
     after_split = split.score(probe, [OLD_LOGPROBS])[OLD_LOGPROBS]
     split.shutdown()
 

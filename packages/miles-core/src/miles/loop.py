@@ -31,6 +31,7 @@ from miles.driver.interrupts import StopRequest, stopped_by_signal
 from miles.driver.session import Session
 from miles.driver.start import start_run
 from miles.plugins import get_plugin_manager
+from miles.tracking.timing import TimeBreakdown, step_clock
 
 
 @dataclass
@@ -58,13 +59,17 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         try:
             for step in range(start.state.step, config.run.num_steps):
                 t_step = time.perf_counter()
-                todo = run.next_batch(step)
-                metrics = todo.metrics | run.train(step, todo.batch)
-                state = run.state_after(step)
-                run.save_when_due(step, state)
-                metrics |= run.update_weights_when_due(step)
-                run.evaluate_when_due(step)
-                metrics["time/step_s"] = time.perf_counter() - t_step
+                with step_clock() as clock:  # every phase below is timed (miles.tracking.timing)
+                    todo = run.next_batch(step)
+                    metrics = todo.metrics | run.train(step, todo.batch)
+                    state = run.state_after(step)
+                    run.save_when_due(step, state)
+                    metrics |= run.update_weights_when_due(step)
+                    run.evaluate_when_due(step)
+                step_s = time.perf_counter() - t_step
+                # The driver's clock has the last word on a phase's time (a component may report its own).
+                metrics |= clock.metrics(step_s)
+                metrics["time/step_s"] = step_s
                 run.log(step, metrics, todo.prompts)
                 if stop.requested:
                     break
@@ -74,6 +79,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
             raise
         finally:
             run.end()
+            _write_breakdown(start.run.sub("metrics.jsonl"), start.run.sub("time_breakdown.txt"))
     if run.status == "interrupted" and stop.signum is not None:
         raise stopped_by_signal(stop.signum, state.step, config.run.num_steps, run.checkpoint)
     return RunResult(
@@ -84,3 +90,13 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         checkpoint=run.checkpoint,
         seconds=time.perf_counter() - t_start,
     )
+
+
+def _write_breakdown(metrics_path: str, out_path: str) -> None:
+    """The run's time table as text beside its metrics (the console prints it too, when on)."""
+    if not os.path.isfile(metrics_path):
+        return
+    breakdown = TimeBreakdown.from_jsonl(metrics_path)
+    if breakdown.steps:
+        with open(out_path, "w", encoding="utf-8") as f:
+            f.write(breakdown.text() + "\n")

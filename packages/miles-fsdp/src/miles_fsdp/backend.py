@@ -173,7 +173,7 @@ class FSDPBackend:
             shares = split_batch(part, self.opts.num_ranks, self.train_opts.micro_batch_size, scores)
             results.append((self._run("train_step", shares)[0], part.num_loss_tokens))
         out = combine_step_metrics(results)
-        out["time/train/old_logprobs_s"] = old_s
+        out["time/train_step/old_logprobs_s"] = old_s
         out["train/tokens_per_s"] = out["train/num_tokens"] / max(time.perf_counter() - t0, 1e-9)
         return out
 

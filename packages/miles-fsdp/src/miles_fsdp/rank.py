@@ -259,7 +259,7 @@ class RankTrainer:
         if self.critic is not None:
             critic_metrics = self._critic_step(batch, acc)
             self._sync()
-            critic_metrics["time/train/critic_s"] = time.perf_counter() - t_opt
+            critic_metrics["time/train_step/critic_s"] = time.perf_counter() - t_opt
 
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (acc.sums, acc.weights, loss_total, entropy_sum, tokens))
@@ -277,8 +277,8 @@ class RankTrainer:
                 "train/num_tokens": float(total_tokens),
                 "train/tokens_per_s": total_tokens / elapsed if elapsed > 0 else 0.0,
                 # This rank's clock; every rank waits for the slowest in the collectives anyway.
-                "time/train/forward_backward_s": t_fb - t0,
-                "time/train/optimizer_s": t_opt - t_fb,
+                "time/train_step/forward_backward_s": t_fb - t0,
+                "time/train_step/optimizer_s": t_opt - t_fb,
             }
         )
         return out

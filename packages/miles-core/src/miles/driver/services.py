@@ -261,11 +261,15 @@ def offloaded_while(config: MilesConfig, backend: Any) -> Iterator[None]:
     if not shares_devices(config):
         yield
         return
-    backend.offload()
+    from miles.tracking.timing import timed
+
+    with timed("offload"):
+        backend.offload()
     try:
         yield
     finally:
-        backend.onload()
+        with timed("onload"):
+            backend.onload()
 
 
 def check_engine_versions(loop: Any, engines: list[Any], version: int) -> None:
@@ -284,7 +288,8 @@ def check_engine_versions(loop: Any, engines: list[Any], version: int) -> None:
 
 def describe_update(stats: TransportStats) -> dict[str, float]:
     return {
-        "time/weight_update_s": stats.seconds,
+        "time/weight_update_s": stats.seconds,  # the transport's own; the driver's clock replaces it
+        "weight_sync/seconds": stats.seconds,
         "weight_sync/bytes": float(stats.bytes_sent),
         "weight_sync/buckets": float(stats.buckets),
         "engine/weight_version": float(stats.version),

@@ -31,6 +31,7 @@ from miles.driver.training import make_train_batch
 from miles.interfaces import Backend, RolloutContext
 from miles.run_dir import LoopState, RunDir
 from miles.tracking.jsonl import JsonlTracker
+from miles.tracking.timing import timed
 from miles.types import SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
@@ -57,13 +58,15 @@ class RLStage:
 
     def next_batch(self, step: int) -> StepBatch:
         s = self.s
-        with offloaded_while(s.config, s.backend):  # colocated: the trainer leaves the devices
+        # Colocated: the trainer leaves the devices. Timed as rollout: under sync the generation,
+        # under fully_async the wait for the buffer.
+        with offloaded_while(s.config, s.backend), timed("rollout"):
             groups, metrics = self.generation.collect(step)
         if s.console is not None:
             s.console.show_samples(groups)
         batch = None
         if groups:
-            with s.backend_use():  # scoring runs on the trainer's ranks
+            with s.backend_use(), timed("advantages"):  # scoring (its own phase) runs on the ranks
                 batch, adv_metrics = make_train_batch(
                     groups, s.start.components.objective, s.backend, step, s.hooks
                 )
@@ -196,7 +199,7 @@ class Session:
     def train(self, step: int, batch: TrainBatch | None) -> dict[str, float]:
         if batch is None:
             return {"train/skipped": 1.0}
-        with self.backend_use():
+        with self.backend_use(), timed("train_step"):
             return dict(self.hooks.miles_train_step(step=step, batch=batch) or {})
 
     def state_after(self, step: int) -> LoopState:
@@ -206,7 +209,8 @@ class Session:
     def save_when_due(self, step: int, state: LoopState) -> None:
         every = self.config.run.save_every
         if every is not None and ((step + 1) % every == 0 or step + 1 == self.config.run.num_steps):
-            self.save(state)
+            with timed("checkpoint"):
+                self.save(state)
 
     def save(self, state: LoopState) -> None:
         staging = self.run.staging_dir(state.step)
@@ -225,7 +229,7 @@ class Session:
         metrics: dict[str, float] = {}
         if self._update_due(step) or self._eval_due(step):
             version = step + 1
-            with self.weights_lock, self.generation.weights_changing(version):
+            with timed("weight_update"), self.weights_lock, self.generation.weights_changing(version):
                 stats = self.fleet.update_weights(self.backend, version)  # every engine serves it after
             self.hooks.miles_on_weights_updated(version=version, stats=stats)
             metrics |= describe_update(stats)
@@ -235,9 +239,10 @@ class Session:
         """Start an evaluation when due; log the finished ones against the step they measured."""
         if self.evaluator is None:
             return
-        if self._eval_due(step):
-            self.evaluator.start(step)
-        self._log_evaluations(step)
+        with timed("eval"):  # a shared-engine evaluation may hold the step; a snapshot one starts
+            if self._eval_due(step):
+                self.evaluator.start(step)
+            self._log_evaluations(step)
 
     def log(self, step: int, metrics: dict[str, float], prompts: list[int]) -> None:
         self.run.record_trained_prompts(step, prompts)

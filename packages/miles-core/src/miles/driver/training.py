@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from miles.driver.objective import Objective
 from miles.errors import ComponentError
 from miles.interfaces import AdvantageOutput, Backend
+from miles.tracking.timing import timed
 from miles.types import Group, TrainBatch
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ def make_train_batch(
     """
     samples = [s for g in groups for s in g.samples]
     if objective.scores:
-        scores = backend.score(samples, list(objective.scores))
+        with timed("score"):  # forward-only passes: reference, teacher, critic
+            scores = backend.score(samples, list(objective.scores))
         for name, rows in scores.items():
             for sample, row in zip(samples, rows, strict=True):
                 sample.token_scores[name] = row

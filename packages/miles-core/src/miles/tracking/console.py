@@ -7,6 +7,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from miles import hookimpl
+from miles.tracking.timing import TimeBreakdown
 from miles.types import Group
 
 # The metrics shown in the per-step table, in this order, when present.
@@ -29,6 +30,8 @@ HEADLINE = (
     "time/rollout_s",
     "time/train_step_s",
     "time/weight_update_s",
+    "time/other_s",
+    "time/step_s",
     "engine/weight_version",
 )
 
@@ -39,6 +42,7 @@ class ConsoleTracker:
     ) -> None:
         self.console = console or Console(stderr=True)
         self.log_samples = log_samples
+        self.breakdown = TimeBreakdown()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -75,6 +79,25 @@ class ConsoleTracker:
                 table.add_row(key, f"{metrics[key]:.4g}")
         self.console.print(table)
         self.progress.advance(self._steps)
+        self.breakdown.add(metrics)
+
+    @hookimpl
+    def miles_on_run_end(self, run_dir: str, status: str) -> None:
+        """Where the run's time went: every phase's total, per step, and share of the step time."""
+        if not self.breakdown.steps:
+            return
+        table = Table(
+            title=f"where the time went ({self.breakdown.steps} steps)",
+            show_header=True,
+            header_style="bold",
+            box=None,
+        )
+        table.add_column("phase")
+        for name in ("total s", "s/step", "share"):
+            table.add_column(name, justify="right")
+        for label, seconds, mean, share in self.breakdown.rows():
+            table.add_row(label, f"{seconds:.2f}", f"{mean:.3f}", f"{share:.1%}")
+        self.console.print(table)
 
     @hookimpl
     def miles_on_eval(self, step: int, metrics: dict[str, float]) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 from miles.builtins.rollout.prompts import render_prompt_ids
 from miles.interfaces import GenerateFn, RolloutContext
 from miles.plugins import load_component
+from miles.tracking.timing import add_busy
 from miles.types import Group, Prompt, Sample, Status
 
 if TYPE_CHECKING:
@@ -89,6 +91,7 @@ class GroupRollout:
             _fail([sample], "scorer_error", exc)
             return
         if reward:
+            t0 = time.perf_counter()
             try:
                 value = ctx.reward(sample)
                 if inspect.isawaitable(value):
@@ -96,6 +99,8 @@ class GroupRollout:
                 sample.reward = float(value)
             except Exception as exc:
                 _fail([sample], "reward_error", exc)
+            # Busy time, not a phase: rewards interleave with other samples' generation.
+            add_busy("rollout/reward", time.perf_counter() - t0)
 
     async def _group_reward(self, ctx: RolloutContext, samples: list[Sample]) -> None:
         samples = [s for s in samples if s.status is not Status.FAILED]
@@ -104,9 +109,11 @@ class GroupRollout:
         try:
             # ctx.reward is a GroupRewardFn here: the rollout checked is_group_reward(ctx.reward).
             group_reward = cast("GroupRewardFn", ctx.reward)
+            t0 = time.perf_counter()
             produced = group_reward(samples)
             if inspect.isawaitable(produced):
                 produced = await produced
+            add_busy("rollout/reward", time.perf_counter() - t0)
             values = [float(v) for v in produced]
             if len(values) != len(samples):
                 raise ValueError(f"group reward returned {len(values)} rewards for {len(samples)} samples")
