@@ -45,6 +45,12 @@ class FSDPOptions(BaseModel):
         ge=1,
         description="tokens per chunk when turning logits into log-probs (bounds the float32 temporaries)",
     )
+    logprob_projection: Literal["full", "chunked"] = Field(
+        "full",
+        description="full: the model's logits for every position, then log-probs chunk by chunk; chunked: "
+        "the output projection too is done a chunk of response positions at a time, so [positions, vocab] "
+        "logits never exist (less memory and no logits for prompt positions; same values up to rounding)",
+    )
     start_method: Literal["spawn", "forkserver"] = Field(
         "spawn",
         description="how rank processes start: spawn (a fresh interpreter each) or forkserver (forked from a "

@@ -134,6 +134,25 @@ def shard(model: nn.Module, mesh: DeviceMesh, opts: FSDPOptions, role: str) -> n
     return model
 
 
+def check_projectable(model: nn.Module, role: str) -> None:
+    """Refuse ``fsdp.logprob_projection: chunked`` for a model whose logits are more than its head's
+    linear output: the chunked path computes ``linear(hidden)`` itself and would skip the rest."""
+    config = getattr(model, "config", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap:
+        raise ModelError(
+            f"fsdp: the {role} softcaps its logits (final_logit_softcapping={softcap}); "
+            "fsdp.logprob_projection 'chunked' projects hidden states plainly, use 'full'"
+        )
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, nn.Linear):
+        raise ModelError(
+            f"fsdp: the {role}'s output head is {type(head).__name__}, not a Linear layer; "
+            "fsdp.logprob_projection 'chunked' needs one, use 'full'"
+        )
+
+
 def freeze(model: nn.Module) -> nn.Module:
     model.eval()
     for p in model.parameters():

@@ -35,9 +35,10 @@ from miles.interfaces import (
 from miles_fsdp import checkpoint
 from miles_fsdp.batching import OLD_LOGPROBS, MicroBatchTensors, RankBatch, collate
 from miles_fsdp.config import FSDPOptions
-from miles_fsdp.logprobs import token_logprobs
+from miles_fsdp.logprobs import projected_token_logprobs, token_logprobs
 from miles_fsdp.models import (
     DTYPES,
+    check_projectable,
     freeze,
     load_causal_lm,
     load_config,
@@ -87,6 +88,8 @@ class RankTrainer:
         policy = load_causal_lm(spec.model_path, self.opts, "policy")
         if self.opts.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.opts.logprob_projection == "chunked":
+            check_projectable(policy, "policy")
         self.model = shard(policy, self.mesh, self.opts, "policy")
         self.optimizer, self.scheduler = self._optimizer(self.model, self.train_opts.lr)
         self.parts = [checkpoint.Trainable("model", self.model, self.optimizer, self.scheduler)]
@@ -95,15 +98,18 @@ class RankTrainer:
         self.scorers: dict[str, nn.Module] = {}
         if REF_LOGPROBS in spec.scores:
             path = spec.ref_model_path or spec.model_path
-            self.scorers[REF_LOGPROBS] = freeze(
-                shard(load_causal_lm(path, self.opts, "reference"), self.mesh, self.opts, "reference")
-            )
+            reference = load_causal_lm(path, self.opts, "reference")
+            if self.opts.logprob_projection == "chunked":
+                check_projectable(reference, "reference")
+            self.scorers[REF_LOGPROBS] = freeze(shard(reference, self.mesh, self.opts, "reference"))
         if TEACHER_LOGPROBS in spec.scores:
             if not spec.teacher_model_path:
                 raise ComponentError(
                     "fsdp: teacher_logprobs requested but the spec names no teacher_model_path"
                 )
             teacher = load_causal_lm(spec.teacher_model_path, self.opts, "teacher")
+            if self.opts.logprob_projection == "chunked":
+                check_projectable(teacher, "teacher")
             self.scorers[TEACHER_LOGPROBS] = freeze(shard(teacher, self.mesh, self.opts, "teacher"))
 
         self.critic = None
@@ -379,6 +385,9 @@ class RankTrainer:
         self, model: nn.Module, mb: MicroBatchTensors
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the response tokens and the entropy at their positions, as [B, R] grids."""
+        if self.opts.logprob_projection == "chunked":
+            lp_rows, ent_rows = self._projected_logprobs(model, mb)
+            return self._to_grid(lp_rows, mb), self._to_grid(ent_rows, mb)
         logits = model(input_ids=mb.input_ids).logits
         b, seq_len, vocab = logits.shape
         lp_rows, ent_rows = token_logprobs(
@@ -389,6 +398,35 @@ class RankTrainer:
             chunk=self.opts.logprob_chunk_tokens,
         )
         return self._to_grid(lp_rows, mb), self._to_grid(ent_rows, mb)
+
+    def _projected_logprobs(
+        self, model: nn.Module, mb: MicroBatchTensors
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward with its output head replaced, for this call, by the chunked projection
+        of the response rows only. It runs inside the model's own forward, so under FSDP the head's
+        weight is the gathered one there, and the result leaves as the model's output, so FSDP's
+        backward hooks see it as they would the logits."""
+        head = model.get_output_embeddings()  # type: ignore[operator]
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.rows)
+            lp, ent = projected_token_logprobs(
+                rows,
+                head.weight,
+                mb.targets,
+                bias=head.bias,
+                temperature=self.spec.temperature,
+                chunk=self.opts.logprob_chunk_tokens,
+            )
+            return torch.stack((lp, ent), dim=-1)
+
+        # head.weight is read inside forward on purpose: FSDP swaps in the gathered parameter there.
+        head.forward = forward
+        try:
+            out = model(input_ids=mb.input_ids).logits
+        finally:
+            del head.forward
+        return out[:, 0], out[:, 1]
 
     def _values(self, mb: MicroBatchTensors) -> torch.Tensor:
         """The critic's value of the state before each response token (read where its logits would be)."""
