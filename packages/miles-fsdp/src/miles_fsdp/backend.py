@@ -147,7 +147,12 @@ class FSDPBackend:
         check_batch(batch)
         parts = mini_batches(len(batch.samples), self.train_opts.steps_per_rollout)
         if len(parts) == 1:
-            shares = split_batch(batch, self.opts.num_ranks, self.train_opts.micro_batch_size)
+            shares = split_batch(
+                batch,
+                self.opts.num_ranks,
+                self.train_opts.micro_batch_size,
+                max_tokens=self.opts.max_tokens_per_gpu,
+            )
             return dict(self._run("train_step", shares)[0])
         if len(parts) < self.train_opts.steps_per_rollout:
             log.warning(
@@ -170,7 +175,13 @@ class FSDPBackend:
                 log.warning("fsdp: step %d: a mini-batch has no loss token; skipped", batch.step)
                 continue
             scores = {name: [rows[i] for i in indices] for name, rows in extra.items()}
-            shares = split_batch(part, self.opts.num_ranks, self.train_opts.micro_batch_size, scores)
+            shares = split_batch(
+                part,
+                self.opts.num_ranks,
+                self.train_opts.micro_batch_size,
+                scores,
+                max_tokens=self.opts.max_tokens_per_gpu,
+            )
             results.append((self._run("train_step", shares)[0], part.num_loss_tokens))
         out = combine_step_metrics(results)
         out["time/train_step/old_logprobs_s"] = old_s
@@ -189,7 +200,9 @@ class FSDPBackend:
         assert self.opts is not None and self.train_opts is not None
         if not names or not samples:
             return {name: [] for name in names}
-        shares, layout = split_for_scoring(samples, self.opts.num_ranks, self.train_opts.micro_batch_size)
+        shares, layout = split_for_scoring(
+            samples, self.opts.num_ranks, self.train_opts.micro_batch_size, self.opts.max_tokens_per_gpu
+        )
         results = self._run("score", [(share, list(names)) for share in shares])
         out: dict[str, list[list[float]]] = {name: [[] for _ in samples] for name in names}
         for rank_layout, rank_result in zip(layout, results, strict=True):

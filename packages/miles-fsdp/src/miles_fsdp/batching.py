@@ -44,6 +44,7 @@ class RankBatch:
     num_loss_tokens: int  # over the whole global batch: the token-mean denominator
     step: int
     num_samples: int = 0  # over the whole global batch: the per-sample-mean denominator
+    packed: bool = False  # each micro-batch is one unpadded row of concatenated samples
 
 
 def check_batch(batch: TrainBatch) -> None:
@@ -97,6 +98,48 @@ def plan(lengths: list[int], world_size: int, micro_batch_size: int) -> list[lis
     return out
 
 
+def plan_tokens(lengths: list[int], world_size: int, max_tokens: int) -> list[list[list[int]]]:
+    """Like :func:`plan`, for packed micro-batches: at most ``max_tokens`` tokens each, not a sample count.
+
+    Samples go longest first to the rank with the fewest tokens so far (ranks get similar token
+    loads whatever the lengths), then each rank's samples are packed first-fit into micro-batches
+    of at most ``max_tokens`` tokens; a sample longer than that gets a micro-batch of its own.
+    Ranks with fewer micro-batches than the busiest get trailing empty ones.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * world_size
+    per_rank: list[list[int]] = [[] for _ in range(world_size)]
+    for i in order:
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        per_rank[r].append(i)
+        loads[r] += lengths[i]
+    out: list[list[list[int]]] = []
+    for rows in per_rank:
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in rows:  # longest first: first-fit decreasing
+            for b, free in enumerate(room):
+                if lengths[i] <= free:
+                    bins[b].append(i)
+                    room[b] -= lengths[i]
+                    break
+            else:
+                bins.append([i])
+                room.append(max_tokens - lengths[i])
+        out.append(bins)
+    n_micro = max(1, max(len(b) for b in out))
+    return [bins + [[] for _ in range(n_micro - len(bins))] for bins in out]
+
+
+def layout_for(
+    lengths: list[int], world_size: int, micro_batch_size: int, max_tokens: int | None
+) -> list[list[list[int]]]:
+    """Packed micro-batches by token budget when ``max_tokens`` is set, else padded ones by count."""
+    if max_tokens is None:
+        return plan(lengths, world_size, micro_batch_size)
+    return plan_tokens(lengths, world_size, max_tokens)
+
+
 # Token scores the trainer reads during the step; everything else in token_scores stays on the driver.
 TRAIN_SCORES = ("ref_logprobs", "values")
 # The policy's own log-probs before the first of several optimizer steps on one batch (PPO's "old").
@@ -147,6 +190,7 @@ def split_batch(
     world_size: int,
     micro_batch_size: int,
     extra_scores: dict[str, list[list[float]]] | None = None,
+    max_tokens: int | None = None,
 ) -> list[RankBatch]:
     """Each rank's rows of ``batch``; ``extra_scores`` adds per-token rows by name (in sample order)."""
     rows = []
@@ -157,7 +201,7 @@ def split_batch(
         for name, per_sample in (extra_scores or {}).items():
             scores[name] = per_sample[i]
         rows.append(sample_row(s, adv, scores))
-    layout = plan([r.num_tokens for r in rows], world_size, micro_batch_size)
+    layout = layout_for([r.num_tokens for r in rows], world_size, micro_batch_size, max_tokens)
     total = batch.num_loss_tokens
     return [
         RankBatch(
@@ -165,19 +209,25 @@ def split_batch(
             num_loss_tokens=total,
             step=batch.step,
             num_samples=len(rows),
+            packed=max_tokens is not None,
         )
         for mbs in layout
     ]
 
 
 def split_for_scoring(
-    samples: list[Sample], world_size: int, micro_batch_size: int
+    samples: list[Sample], world_size: int, micro_batch_size: int, max_tokens: int | None = None
 ) -> tuple[list[RankBatch], list[list[list[int]]]]:
     """Each rank's rows for a forward-only scoring pass, and the layout to put the answers back in order."""
     rows = [sample_row(s) for s in samples]
-    layout = plan([r.num_tokens for r in rows], world_size, micro_batch_size)
+    layout = layout_for([r.num_tokens for r in rows], world_size, micro_batch_size, max_tokens)
     shares = [
-        RankBatch(micro_batches=[[rows[i] for i in mb] for mb in mbs], num_loss_tokens=0, step=-1)
+        RankBatch(
+            micro_batches=[[rows[i] for i in mb] for mb in mbs],
+            num_loss_tokens=0,
+            step=-1,
+            packed=max_tokens is not None,
+        )
         for mbs in layout
     ]
     return shares, layout
@@ -185,10 +235,10 @@ def split_for_scoring(
 
 @dataclass
 class MicroBatchTensors:
-    """A micro-batch, right-padded. ``[B, R]`` tensors are aligned on response tokens."""
+    """A micro-batch, right-padded (or packed). ``[B, R]`` tensors are aligned on response tokens."""
 
-    input_ids: torch.Tensor  # [B, L]
-    rows: torch.Tensor  # [N] flat indices into the [B*L] logits that predict a response token
+    input_ids: torch.Tensor  # [B, L]; packed: [1, T], the B samples one after another
+    rows: torch.Tensor  # [N] flat indices into the [B*L] (packed: [T]) logits that predict a response token
     targets: torch.Tensor  # [N] the response token each of those rows predicts
     slots: torch.Tensor  # [N] flat indices into the [B*R] response grid
     rollout_logprobs: torch.Tensor  # [B, R]
@@ -197,13 +247,24 @@ class MicroBatchTensors:
     num_tokens: int  # real (unpadded) tokens, prompt + response
     num_loss_tokens: int
     scores: dict[str, torch.Tensor]  # [B, R] each, the rows' named per-token extras
+    # Packed: [1, T] positions restarting at 0 for each sample, which is how the model (transformers'
+    # packed-sequence masks, flash-attention's varlen path) keeps samples from attending to each other.
+    position_ids: torch.Tensor | None = None
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward for this micro-batch."""
+        if self.position_ids is None:
+            return {"input_ids": self.input_ids}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids}
 
 
-def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> MicroBatchTensors:
+def collate(
+    rows: list[Row], device: torch.device | str, pad_id: int = 0, *, packed: bool = False
+) -> MicroBatchTensors:
     import torch
 
     b = len(rows)
-    seq_len = max(r.num_tokens for r in rows)
+    seq_len = sum(r.num_tokens for r in rows) if packed else max(r.num_tokens for r in rows)
     resp_len = max(1, max(len(r.response_ids) for r in rows))
     input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
     rollout = torch.zeros(b, resp_len, dtype=torch.float32)
@@ -220,16 +281,29 @@ def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> Mic
                 f"collate: rows {missing} lack the per-token score {name!r} that other rows carry"
             )
     scores = {name: torch.zeros(b, resp_len, dtype=torch.float32) for name in names}
+    if packed:
+        input_ids = torch.full((1, seq_len), pad_id, dtype=torch.long)
+        positions = torch.zeros(1, seq_len, dtype=torch.long)
+    offset = 0  # packed: where row i starts in the one sequence
     for i, r in enumerate(rows):
         p, n = len(r.prompt_ids), len(r.response_ids)
-        input_ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
+        if packed:
+            input_ids[0, offset : offset + p + n] = torch.tensor(
+                r.prompt_ids + r.response_ids, dtype=torch.long
+            )
+            positions[0, offset : offset + p + n] = torch.arange(p + n)
+            start = offset
+            offset += p + n
+        else:
+            input_ids[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids, dtype=torch.long)
+            start = i * seq_len
         rollout[i, :n] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
         adv[i, :n] = torch.tensor(r.advantages, dtype=torch.float32)
         mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.float32)
         for name in names:
             scores[name][i, :n] = torch.tensor(r.scores[name], dtype=torch.float32)
         # Response token j sits at position p + j and is predicted by the logits at p + j - 1.
-        logit_rows.extend(i * seq_len + p - 1 + j for j in range(n))
+        logit_rows.extend(start + p - 1 + j for j in range(n))
         targets.extend(r.response_ids)
         slots.extend(i * resp_len + j for j in range(n))
     return MicroBatchTensors(
@@ -243,4 +317,5 @@ def collate(rows: list[Row], device: torch.device | str, pad_id: int = 0) -> Mic
         num_tokens=sum(r.num_tokens for r in rows),
         num_loss_tokens=int(sum(sum(r.loss_mask) for r in rows)),
         scores={name: t.to(device) for name, t in scores.items()},
+        position_ids=positions.to(device) if packed else None,
     )

@@ -45,6 +45,13 @@ class FSDPOptions(BaseModel):
         ge=1,
         description="tokens per chunk when turning logits into log-probs (bounds the float32 temporaries)",
     )
+    max_tokens_per_gpu: int | None = Field(
+        None,
+        ge=2,
+        description="packed training: micro-batches of at most this many tokens (prompt + response), the "
+        "samples concatenated into one unpadded row with per-sample positions, instead of "
+        "train.micro_batch_size padded samples (None: padded micro-batches)",
+    )
     logprob_projection: Literal["full", "chunked"] = Field(
         "full",
         description="full: the model's logits for every position, then log-probs chunk by chunk; chunked: "

@@ -83,8 +83,8 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
         self._no_split_modules = getattr(backbone, "_no_split_modules", None)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids).last_hidden_state
         # A fresh tensor, not a view: FSDP2 hooks the root module's output for backward.
         return self.value_head(hidden).squeeze(-1).float().clone()
 

@@ -203,7 +203,7 @@ class RankTrainer:
                         self._idle_forward(self._scoring_model(name))
                     out.append([])
                     continue
-                mb = collate(rows, self.device)
+                mb = collate(rows, self.device, packed=batch.packed)
                 per_name = {name: self._score_tensor(name, mb) for name in names}
                 lengths = [len(r.response_ids) for r in rows]
                 out.append(
@@ -246,7 +246,7 @@ class RankTrainer:
             if not rows:
                 self._idle_pass(self.model)
                 continue
-            mb = collate(rows, self.device)
+            mb = collate(rows, self.device, packed=batch.packed)
             loss_value, entropy, metrics = self._micro_step(mb, batch)
             loss_total += loss_value
             entropy_sum += entropy
@@ -343,7 +343,7 @@ class RankTrainer:
             if not rows:
                 self._idle_pass(self.critic)
                 continue
-            mb = collate(rows, self.device)
+            mb = collate(rows, self.device, packed=batch.packed)
             inputs = LossInputs(
                 loss_mask=mb.loss_mask,
                 values=self._values(mb),
@@ -388,7 +388,7 @@ class RankTrainer:
         if self.opts.logprob_projection == "chunked":
             lp_rows, ent_rows = self._projected_logprobs(model, mb)
             return self._to_grid(lp_rows, mb), self._to_grid(ent_rows, mb)
-        logits = model(input_ids=mb.input_ids).logits
+        logits = model(**mb.model_inputs()).logits
         b, seq_len, vocab = logits.shape
         lp_rows, ent_rows = token_logprobs(
             logits.reshape(b * seq_len, vocab),
@@ -423,7 +423,7 @@ class RankTrainer:
         # head.weight is read inside forward on purpose: FSDP swaps in the gathered parameter there.
         head.forward = forward
         try:
-            out = model(input_ids=mb.input_ids).logits
+            out = model(**mb.model_inputs()).logits
         finally:
             del head.forward
         return out[:, 0], out[:, 1]
@@ -431,7 +431,7 @@ class RankTrainer:
     def _values(self, mb: MicroBatchTensors) -> torch.Tensor:
         """The critic's value of the state before each response token (read where its logits would be)."""
         assert self.critic is not None
-        values = self.critic(mb.input_ids)
+        values = self.critic(**mb.model_inputs())
         return self._to_grid(values.reshape(-1).index_select(0, mb.rows), mb)
 
     def _to_grid(self, flat: torch.Tensor, mb: MicroBatchTensors) -> torch.Tensor:
