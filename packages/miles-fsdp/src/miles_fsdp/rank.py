@@ -287,6 +287,9 @@ class RankTrainer:
                 "time/train_step/optimizer_s": t_opt - t_fb,
             }
         )
+        if self.device.type == "cuda":
+            # The high-water mark of this rank's GPU memory since it started (what a bigger batch must fit).
+            out["train/cuda_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     def _sync(self) -> None:
