@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 from stevedore import DriverManager
 
-from miles.errors import ComponentError
+from miles.errors import ComponentError, ConfigError
 from miles.interfaces import Loss
 from miles.plugins import (
     build_plugin_manager,
@@ -147,10 +147,19 @@ def test_make_component_checks_options_and_protocols() -> None:
         ComponentError, match=r"reward 'length_penalty' is a function, not a class, so it takes no options"
     ):
         make_component("reward", "length_penalty", {"target": 3})
+    # A class without an options model: its signature decides.
     with pytest.raises(
-        ComponentError, match=r"loss 'reinforce' .* cannot take options \['clip'\].*it takes: no options"
+        ComponentError, match=r"buffer 'fifo' .* cannot take options \['capacity'\].*it takes: policy"
+    ):
+        make_component("buffer", "fifo", {"capacity": 2})
+    # A plugin class with an options model: the model decides, naming what is allowed.
+    with pytest.raises(
+        ConfigError,
+        match=r"^loss 'reinforce' rejected its options: unknown key 'clip': loss 'reinforce' has no option "
+        r"'clip'; allowed: scale$",
     ):
         make_component("loss", "reinforce", {"clip": 0.2})
+    assert make_component("loss", "reinforce", {"scale": 2}).scale == 2.0  # validated: a float
     with pytest.raises(
         ComponentError, match=r"does not implement miles.interfaces.Buffer: missing put, take, metrics"
     ):

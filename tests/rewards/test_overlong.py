@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles.builtins.reward_postprocess import OverlongPenalty
-from miles.errors import ComponentError, ConfigError
+from miles.errors import ConfigError
 from miles.plugins import make_component
 from miles.types import Prompt, Sample
 
@@ -41,26 +41,31 @@ def test_factor_scales_the_penalty() -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "match"),
+    ("options", "match", "declared"),
     [
-        ({"max_len": 8, "cache_len": 8}, "max_len > cache_len > 0"),
-        ({"max_len": 8, "cache_len": 0}, "max_len > cache_len > 0"),
-        ({"max_len": 4, "cache_len": 8}, "max_len > cache_len > 0"),
-        ({"max_len": 20.5, "cache_len": 8}, "max_len must be an integer"),
-        ({"max_len": 20, "cache_len": True}, "cache_len must be an integer"),
-        ({"max_len": 20, "cache_len": 8, "factor": -1}, "factor must be a number >= 0"),
-        ({"max_len": 20, "cache_len": 8, "factor": float("nan")}, "factor must be a number >= 0"),
+        ({"max_len": 8, "cache_len": 8}, "max_len > cache_len > 0", None),
+        ({"max_len": 8, "cache_len": 0}, "max_len > cache_len > 0", None),
+        ({"max_len": 4, "cache_len": 8}, "max_len > cache_len > 0", None),
+        # A wrong type is refused by the options model first, when the component is made by name.
+        ({"max_len": 20.5, "cache_len": 8}, "max_len must be an integer", r"option 'max_len' \(int\) of"),
+        (
+            {"max_len": 20, "cache_len": True},
+            "cache_len must be an integer",
+            r"option 'cache_len' \(int\) of",
+        ),
+        ({"max_len": 20, "cache_len": 8, "factor": -1}, "factor must be a number >= 0", None),
+        ({"max_len": 20, "cache_len": 8, "factor": float("nan")}, "factor must be a number >= 0", None),
     ],
 )
-def test_bad_options_are_config_errors(options: dict, match: str) -> None:
+def test_bad_options_are_config_errors(options: dict, match: str, declared: str | None) -> None:
     with pytest.raises(ConfigError, match=match):
         OverlongPenalty(**options)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=declared or match):
         make_component("reward_postprocess", "overlong_penalty", options)
 
 
 def test_selected_by_name() -> None:
     post = make_component("reward_postprocess", "overlong_penalty", {"max_len": 20, "cache_len": 8})
     assert isinstance(post, OverlongPenalty)
-    with pytest.raises(ComponentError, match="missing a required argument: 'cache_len'"):
+    with pytest.raises(ConfigError, match="needs option 'cache_len'"):
         make_component("reward_postprocess", "overlong_penalty", {"max_len": 20})

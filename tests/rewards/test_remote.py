@@ -208,11 +208,18 @@ def test_malformed_replies_are_errors_without_retries(body: str, match: str) -> 
         ({"url": "http://127.0.0.1:99999/score"}, "cannot be parsed"),
         ({"url": "http://h/", "timeout_s": 0}, "timeout_s must be a number > 0"),
         ({"url": "http://h/", "retries": -1}, "retries must be an integer >= 0"),
-        ({"url": "http://h/", "retries": 1.5}, "retries must be an integer >= 0"),
+        # Wrong types are refused by the options model (RemoteOptions), before the constructor.
+        (
+            {"url": "http://h/", "retries": 1.5},
+            r"option 'retries' \(int\) of reward 'remote' must be a valid integer",
+        ),
         ({"url": "http://h/", "backoff_s": -1}, "backoff_s must be a number >= 0"),
         ({"url": "http://h/", "key": ""}, "key must be a non-empty string"),
         ({"url": "http://h/", "max_concurrency": 0}, "max_concurrency must be an integer >= 1"),
-        ({"url": "http://h/", "headers": {"X-Token": 1}}, "headers must be a mapping of strings to strings"),
+        (
+            {"url": "http://h/", "headers": {"X-Token": 1}},
+            r"headers.X-Token: got 1; option 'headers' .* must be a valid string",
+        ),
     ],
 )
 def test_bad_options_are_config_errors(options: dict[str, Any], match: str) -> None:

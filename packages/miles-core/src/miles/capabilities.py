@@ -14,7 +14,13 @@ same way:
   that talks to engines uses (``engine_client_factory``);
 - a **generate function** carries ``GenerateNeeds`` (``@declare_needs(GenerateNeeds(...))``):
   a model family, the session server, the synchronous schedule;
-- a **filter** carries ``FilterNeeds`` (the smallest group it can judge).
+- a **filter** carries ``FilterNeeds`` (the smallest group it can judge);
+- a component that takes options declares them as a pydantic model: ``Options = MyOptions``
+  on a class, or ``@declare_options(MyOptions)`` next to ``declare_needs`` (usually a subclass
+  of :class:`ComponentOptions`, which refuses unknown keys). The recipe's options mapping of the
+  component is validated against it before anything starts, with the file and line of each bad
+  key (``miles.config.options``); ``miles plugins --details`` and ``miles config schema`` list its
+  fields. A component without a model takes its options as a free-form mapping, as before.
 
 ``check_needs(config)`` refuses, in one line per problem, a recipe whose components do not
 fit together; the run calls it before it writes or starts anything.
@@ -26,6 +32,8 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict
 
 from miles.errors import ConfigError
 
@@ -97,6 +105,52 @@ class FilterNeeds:
     """What a group filter needs from the run."""
 
     min_group_size: int = 1
+
+
+class ComponentOptions(BaseModel):
+    """Base of a component's options model: one field per option (type, default, description).
+
+    Unknown keys are refused, and values are taken strictly as the YAML gives them (no string
+    read as a number, no true as 1; an integer is a float). Where the options are the
+    component's keyword arguments (a class built with them), the made component gets every
+    field's value, validated.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class NoOptions(ComponentOptions):
+    """The model of a component that takes no options: every key is refused."""
+
+
+# The kinds whose recipe options are handed to the component as one mapping rather than as its
+# keyword arguments: a rollout or generate function reads ``rollout.options`` (RolloutContext.options),
+# an agent ``agentic.agent_options`` (AgentTask.options), a data source gets ``data.options`` as its
+# ``options`` argument, an engine kind ``engine.options`` in each EngineSpec. Their model describes
+# that mapping; every other kind's model describes the keyword arguments it is built with.
+MAPPING_OPTION_KINDS = frozenset({"rollout", "generate", "agent", "data_source", "engine"})
+
+
+def declare_options(model: type[BaseModel]) -> Callable[[T], T]:
+    """Attach an options model to a component (``@declare_options(MyOptions)``; a class may set ``Options``)."""
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise TypeError(f"declare_options takes a pydantic model class, got {model!r}")
+
+    def mark(component: T) -> T:
+        component.Options = model  # type: ignore[attr-defined]
+        return component
+
+    return mark
+
+
+def options_model(component: object, what: str) -> type[BaseModel] | None:
+    """The options model ``component`` declares (its ``Options``), or None: free-form options."""
+    model = getattr(component, "Options", None)
+    if model is None:
+        return None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise ConfigError(f"{what} declares Options={model!r}; expected a pydantic model class")
+    return model
 
 
 NO_TRANSPORT_NEEDS = TransportNeeds()

@@ -30,10 +30,12 @@ from collections.abc import Sequence
 from concurrent.futures import wait
 from typing import Any
 
+from pydantic import Field
+
 from miles.capabilities import EnginePrep, EngineSetup, TransportNeeds
 from miles.engines.weight_group import FLAT_LOAD_FORMAT, flat_layout
 from miles.errors import ConfigError, EngineError
-from miles_transports.bucket import Bucket, BucketedTransport
+from miles_transports.bucket import Bucket, BucketedTransport, TransportOptions
 from miles_transports.fanout import EngineFanout
 
 log = logging.getLogger(__name__)
@@ -45,10 +47,27 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+class BroadcastOptions(TransportOptions):
+    backend: str | None = Field(
+        None, description="torch.distributed backend of the weight group (default: nccl on cuda, else gloo)"
+    )
+    master_address: str = Field("127.0.0.1", description="address the weight group's rendezvous listens on")
+    master_port: int | None = Field(None, description="its port (default: a free one)")
+    ranks_per_engine: int = Field(
+        1, description="ranks each engine has in the weight group (its tensor-parallel size)"
+    )
+    group_name: str | None = Field(None, description="the weight group's name (default: one per run)")
+    timeout_s: float = Field(600.0, description="seconds one update may take")
+    flatten: bool = Field(
+        False, description="send each bucket as one flat buffer (default: where the engine takes it)"
+    )
+
+
 class BroadcastTransport(BucketedTransport):
     """``miles.interfaces.Transport`` over a torch.distributed broadcast group (the default transport)."""
 
     needs = TransportNeeds(receiver="weight-group")
+    Options = BroadcastOptions
 
     @staticmethod
     def prepare_engines(setup: EngineSetup) -> EnginePrep:

@@ -20,8 +20,11 @@ import abc
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
+from pydantic import Field
+
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.interfaces import TransportStats
 from miles_transports.fanout import EngineFanout
@@ -31,6 +34,20 @@ if TYPE_CHECKING:
     import torch
 
 MiB = 1024 * 1024
+
+
+class TransportOptions(ComponentOptions):
+    """The options every built-in transport takes (``weight_sync``: bucket_mb and the weight check)."""
+
+    bucket_mb: float = Field(512, description="weights are sent in buckets of at most this many MiB")
+    dtype: str | None = Field(None, description="dtype the engines hold (default: the engines' own)")
+    check_equal: bool = Field(
+        False, description="compare every engine tensor with the trainer's after the first update"
+    )
+    check_mode: Literal["exact", "rounded"] = Field(
+        "exact", description="exact: bit-exact; rounded: cast to the engine dtype first"
+    )
+    check_skip: Sequence[str] = Field((), description="tensor names the check leaves out")
 
 
 @dataclass

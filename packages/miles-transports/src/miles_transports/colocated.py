@@ -16,10 +16,12 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 
+from pydantic import Field
+
 from miles.capabilities import EnginePrep, EngineSetup, TransportNeeds
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles.errors import ConfigError
-from miles_transports.bucket import Bucket, BucketedTransport
+from miles_transports.bucket import Bucket, BucketedTransport, TransportOptions
 from miles_transports.fanout import EngineFanout
 
 
@@ -40,12 +42,21 @@ def _unaliased(bucket: Bucket) -> dict:
     return out
 
 
+class ColocatedOptions(TransportOptions):
+    handoff_dir: str | None = Field(
+        None,
+        description="directory the trainer hands tensors to the engines in (default: in the run directory)",
+    )
+    timeout_s: float = Field(600.0, description="seconds one update may take")
+
+
 class ColocatedTransport(BucketedTransport):
     """``miles.interfaces.Transport`` through safetensors files in a directory trainer and engines share."""
 
     # Trainer and engines share the devices (the trainer is offloaded while they generate), and the
     # hand-off directory is on this machine.
     needs = TransportNeeds(placement="colocated", launched_engines=True, receiver="handoff-files")
+    Options = ColocatedOptions
 
     @staticmethod
     def prepare_engines(setup: EngineSetup) -> EnginePrep:

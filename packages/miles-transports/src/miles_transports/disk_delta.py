@@ -22,15 +22,29 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
 
 from miles.capabilities import EnginePrep, EngineSetup, TransportNeeds
 from miles.errors import ConfigError
-from miles_transports.bucket import StreamTransport
+from miles_transports.bucket import StreamTransport, TransportOptions
 from miles_transports.fanout import EngineFanout
 
 if TYPE_CHECKING:
     import torch
+
+
+class DiskDeltaOptions(TransportOptions):
+    delta_dir: str | None = Field(
+        None, description="directory of the versions (v000001/, ...; default: in the run directory)"
+    )
+    encoding: Literal["xor", "overwrite"] = Field(
+        "xor", description="how a version is stored: xor against the last one, or overwrite"
+    )
+    level: int = Field(1, description="zstd compression level")
+    keep: int = Field(3, description="versions kept on disk")
+    timeout_s: float = Field(600.0, description="seconds one update may take")
 
 
 class DiskDeltaTransport(StreamTransport):
@@ -41,6 +55,7 @@ class DiskDeltaTransport(StreamTransport):
     # A delta applies to the engines' current bytes: they must stay the base, not random values.
     check_randomizes = False
     needs = TransportNeeds(receiver="disk-delta")
+    Options = DiskDeltaOptions
 
     @staticmethod
     def prepare_engines(setup: EngineSetup) -> EnginePrep:

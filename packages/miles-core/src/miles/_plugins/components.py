@@ -18,13 +18,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from pydantic import ValidationError
 from stevedore import DriverManager
 from stevedore.exception import NoMatches
 from stevedore.extension import Extension
 
 from miles._plugins import discovery, hints
 from miles._plugins.discovery import did_you_mean, group_for
-from miles.errors import ComponentError, MilesError
+from miles.errors import ComponentError, ConfigError, MilesError
 
 if TYPE_CHECKING:
     from miles.interfaces import (
@@ -146,6 +147,7 @@ def make_component(kind: str, ref: str, options: dict[str, Any] | None = None) -
     obj = load_component(kind, ref)
     options = dict(options or {})
     if isinstance(obj, type):
+        options = _validated_options(kind, ref, obj, options)
         _check_options(kind, ref, obj, options)
         try:
             made = obj(**options)
@@ -342,6 +344,28 @@ def _import_path(kind: str, ref: str) -> Any:
 
 
 # -------------------------------------------------------------------------- checking
+
+
+def _validated_options(kind: str, ref: str, cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """A class that declares an options model is built with every field's validated value."""
+    from miles.capabilities import MAPPING_OPTION_KINDS, options_model
+
+    if kind in MAPPING_OPTION_KINDS:  # the model describes a mapping handed over whole, not the arguments
+        return options
+    model = options_model(cls, f"{kind} {ref!r}")
+    if model is None:
+        return options
+    try:
+        validated = model.model_validate(options)
+    except ValidationError as err:
+        from miles.config.options import describe_option_errors
+
+        problems = describe_option_errors(err, model, f"{kind} {ref!r}", (), lambda path: None)
+        raise ConfigError(f"{kind} {ref!r} rejected its options: " + "; ".join(problems)) from None
+    return {
+        **{name: getattr(validated, name) for name in type(validated).model_fields},
+        **(validated.model_extra or {}),
+    }
 
 
 def _check_options(kind: str, ref: str, cls: type, options: dict[str, Any]) -> None:

@@ -35,6 +35,9 @@ class PluginInfo:
         str  # ``active``, ``components not checked`` (check=False), or ``broken: <reason>[; <reason>...]``
     )
     problems: list[str] = field(default_factory=list)
+    # With details: each component's options by ``kind:name``, one dict per option (name, type,
+    # default, description); a component without an options model is absent (free-form options).
+    options: dict[str, list[dict[str, str]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -44,11 +47,14 @@ class PluginInfo:
         return asdict(self)
 
 
-def list_plugins(*, check: bool = True, disabled: set[str] | None = None) -> list[PluginInfo]:
+def list_plugins(
+    *, check: bool = True, disabled: set[str] | None = None, details: bool = False
+) -> list[PluginInfo]:
     """Every distribution with ``miles.*`` entry points, with what it provides and its status.
 
     ``check`` imports every driver entry point and reports those that fail; without it
-    only hook modules are imported.
+    only hook modules are imported. ``details`` also loads each component that takes recipe
+    options and lists the fields of its options model (``PluginInfo.options``).
     """
     blocked = disabled_from_env() if disabled is None else disabled
     entries = discovery.all_entry_points()
@@ -81,8 +87,30 @@ def list_plugins(*, check: bool = True, disabled: set[str] | None = None) -> lis
             status = "broken: " + "; ".join(found)
         else:
             status = "components not checked" if unchecked else "active"
-        rows.append(PluginInfo(dist, version, labels, status, list(found)))
+        info = PluginInfo(dist, version, labels, status, list(found))
+        if details:
+            info.options = _options_of(provided)
+        rows.append(info)
     return rows
+
+
+def _options_of(provided: list[discovery.EntryPointInfo]) -> dict[str, list[dict[str, str]]]:
+    from miles.capabilities import options_model
+    from miles.config.options import OPTION_KINDS, option_fields
+    from miles.errors import MilesError
+    from miles.plugins import load_component
+
+    out: dict[str, list[dict[str, str]]] = {}
+    for e in sorted(provided, key=lambda e: (e.kind, e.name)):
+        if e.kind not in OPTION_KINDS:
+            continue
+        try:
+            model = options_model(load_component(e.kind, e.name), f"{e.kind} {e.name!r}")
+        except MilesError:
+            continue  # the status already says why it does not load
+        if model is not None:
+            out[f"{e.kind}:{e.name}"] = [f.to_dict() for f in option_fields(model)]
+    return out
 
 
 def _report_conflicts(entries: list[discovery.EntryPointInfo], report: Any) -> None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from pydantic import Field
+
 from miles.builtins.tools import run_tool_calls
+from miles.capabilities import ComponentOptions, declare_options
 from miles.errors import ComponentError
 from miles.interfaces import AgentResult, AgentTask
 
@@ -20,6 +23,12 @@ if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
 
 
+class ToolAgentOptions(ComponentOptions):
+    timeout_s: float = Field(600.0, description="seconds one chat completion may take")
+    model: str = Field("policy", description="the model name sent to the session server")
+
+
+@declare_options(ToolAgentOptions)  # agentic.agent_options, read from AgentTask.options
 async def tool_agent(task: AgentTask) -> AgentResult:
     try:
         import openai

@@ -5,8 +5,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from pydantic import Field
+
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.types import Sample
+
+
+class OverlongPenaltyOptions(ComponentOptions):
+    max_len: int = Field(description="response length (tokens) at which the full penalty applies")
+    cache_len: int = Field(
+        description="the penalty grows over the last cache_len tokens before max_len (0 < cache_len < max_len)"
+    )
+    factor: float = Field(1.0, description="the full penalty (>= 0)")
 
 
 class OverlongPenalty:
@@ -24,6 +35,8 @@ class OverlongPenalty:
     full ``-factor``. ``L`` counts every response token, including the observation
     tokens a multi-turn generate function appends.
     """
+
+    Options = OverlongPenaltyOptions
 
     def __init__(self, max_len: int, cache_len: int, factor: float = 1.0) -> None:
         for option, value in (("max_len", max_len), ("cache_len", cache_len)):

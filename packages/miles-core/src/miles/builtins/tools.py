@@ -14,6 +14,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
+from miles.capabilities import NoOptions
 from miles.errors import ToolError
 from miles.interfaces import ToolSet
 
@@ -77,6 +78,8 @@ def _format(value: int | float) -> str:
 
 class Calculator:
     """The ``calculator`` tool set (see the module docstring)."""
+
+    Options = NoOptions  # agentic.tools_options: it takes none
 
     SPEC: ClassVar[dict[str, Any]] = {
         "type": "function",

@@ -38,8 +38,10 @@ def show(recipe: str, overrides: tuple[str, ...]) -> None:
 def validate(recipe: str, overrides: tuple[str, ...], check: bool) -> None:
     """Check RECIPE and the components it names; print `ok: RECIPE` or the problems.
 
-    Without --check components are found without being imported: names must be
-    installed and import paths' modules must exist. With --check the same pre-flight
+    Without --check components are found, and those that take options are imported (not
+    built) to check their options against their options models: names must be installed,
+    import paths' modules must exist, and every `*_options` key must be one the component
+    declares, with a value of its type. With --check the same pre-flight
     that `miles run` runs before it writes or starts anything runs here
     (miles.driver.preflight): plugins check the config, the model is resolved, the data
     source reads its file, every component is built and type-checked (a reward must be
@@ -47,13 +49,16 @@ def validate(recipe: str, overrides: tuple[str, ...], check: bool) -> None:
     and a fixed engine.port must be free.
     """
     from miles.config import load_recipe, validate_components
+    from miles.config.options import check_component_options
 
     config = load_recipe(recipe, overrides)
     validate_components(config, load=check)
     if check:
         from miles.driver.preflight import close_components, preflight
 
-        close_components(preflight(config).components)
+        close_components(preflight(config).components)  # checks the options too
+    else:
+        check_component_options(config)
     click.echo(f"ok: {recipe}")
 
 
@@ -61,7 +66,8 @@ def validate(recipe: str, overrides: tuple[str, ...], check: bool) -> None:
 @click.option("--indent", default=2, show_default=True, help="JSON indentation.")
 @verbose_option
 def schema(indent: int) -> None:
-    """Print the JSON schema of a recipe, including installed plugins' sections."""
+    """Print the JSON schema of a recipe, including installed plugins' sections and, under
+    x-miles-component-options, every installed component's options model."""
     from miles.config import config_json_schema
 
     click.echo(json.dumps(config_json_schema(), indent=indent))

@@ -13,6 +13,7 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel, Field, ValidationError, create_model
 
+from miles.config.options import RecipeOrigin, remember_origin
 from miles.config.overrides import apply_overrides, parse_override
 from miles.config.problems import KeyPath, describe_errors
 from miles.config.recipes import find_recipe
@@ -105,11 +106,14 @@ def load_recipe(
         # A key that only exists because an override created it below (``--set rolout.x=1``).
         return next((text for key, text in where.items() if key[: len(path)] == path), None)
 
+    label = source.display if source.display == ref else repr(source.ref)  # a file as given, or 'name'
     try:
-        return model.model_validate(data)
+        config = model.model_validate(data)
     except ValidationError as exc:
-        label = source.display if source.display == ref else repr(source.ref)  # a file as given, or 'name'
         raise RecipeError(label, describe_errors(exc, model, locate)) from None
+    # Kept for the checks that need the components loaded (their options: miles.config.options).
+    remember_origin(config, RecipeOrigin(label, where))
+    return config
 
 
 def component_refs(config: MilesConfig) -> list[tuple[str, str, str]]:
@@ -166,5 +170,35 @@ def dump_config(config: BaseModel) -> str:
 
 
 def config_json_schema(pm: pluggy.PluginManager | None = None) -> dict[str, Any]:
-    """The JSON schema of a recipe, plugin sections included."""
-    return plugin_config_model(pm).model_json_schema()
+    """The JSON schema of a recipe, plugin sections included, with the installed components' options.
+
+    ``x-miles-component-options`` maps each kind's group to the JSON schema of every installed
+    component's options model (``{"miles.losses": {"ppo_clip": {...}}}``); a component
+    without a model takes free-form options and is not listed, one that fails to load is
+    listed as ``{"x-miles-load-error": "..."}``.
+    """
+    schema = plugin_config_model(pm).model_json_schema()
+    schema["x-miles-component-options"] = installed_options_schemas()
+    return schema
+
+
+def installed_options_schemas() -> dict[str, dict[str, Any]]:
+    from miles._plugins.discovery import group_for, names
+    from miles.config.options import OPTION_KINDS, component_options_schema
+    from miles.errors import MilesError
+
+    out: dict[str, dict[str, Any]] = {}
+    for kind in OPTION_KINDS:
+        group = group_for(kind)
+        found: dict[str, Any] = {}
+        for name in sorted(names(group)):
+            try:
+                schema = component_options_schema(kind, name)
+            except MilesError as err:
+                found[name] = {"x-miles-load-error": str(err)}
+                continue
+            if schema is not None:
+                found[name] = schema
+        if found:
+            out[group] = found
+    return out

@@ -2,7 +2,8 @@
 
 ``miles run`` (``miles.loop.train``) and ``miles config validate --check`` call the same
 ``preflight``, so validation passes exactly the recipes a run would start: plugins may
-refuse the config (``miles_configure``), the model is resolved, the driver's components
+refuse the config (``miles_configure``), every component's options are checked against its
+options model (``miles.config.options``), the model is resolved, the driver's components
 are built (the data source reads and checks its file, the reward and loss are type- and
 signature-checked), the components the trainer ranks build are built once here too, and
 the engine ports the recipe fixes must be free.
@@ -14,6 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from miles.capabilities import check_needs
+from miles.config.options import check_component_options
 from miles.config.schema import MilesConfig
 from miles.driver.components import Components, build_components
 from miles.driver.hooks import Hooks
@@ -40,6 +42,8 @@ def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
         hooks = Hooks(get_plugin_manager())
     # Plugins see (and may refuse) the config before anything is written or started.
     hooks.miles_configure(config=config)
+    # Every component's options against its model, with the file and line of each bad key.
+    check_component_options(config)
     # Bad models and datasets fail here, before the run directory is touched.
     model_path = resolve_model(config.model.path)
     components = build_components(config, model_path, hooks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import functools
 import importlib.util
 import os
 import signal
@@ -25,47 +26,69 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 import httpx
+from pydantic import BaseModel, Field, create_model
 
-from miles.capabilities import EngineCapabilities
+from miles.capabilities import ComponentOptions, EngineCapabilities
 from miles.errors import ConfigError, EngineError
 from miles.interfaces import EngineSpec
 
 if TYPE_CHECKING:
     from miles.interfaces import EngineClient
 
-EMBEDDED_OPTIONS = {
-    "device",
-    "dtype",
-    "max_batch_size",
-    "handoff_dir",
-    "torch_threads",
-    "seed",
-    "startup_timeout_s",
-    "weight_version",
-    "update_timeout_s",
-    "log_level",
-    "prefix_cache_tokens",
-    "url",
-    "env",
-}
-SGLANG_OPTIONS = {
-    "dtype",
-    "device",
-    "max_batch_size",
-    "startup_timeout_s",
-    "url",
-    "env",
-    "extra_args",
-    "tp_size",
-    "mem_fraction_static",
-    "enable_return_routed_experts",
-    "handoff_dir",
-    "torch_threads",
-    "seed",
-}
+
+class _EngineOptions(ComponentOptions):
+    """What both built-in kinds take in ``engine.options`` (the driver fills in the first four)."""
+
+    device: str | None = Field(None, description="cpu, cuda or cuda:N (default: engine.device)")
+    dtype: str | None = Field(
+        None, description="the engine's dtype (default: engine.dtype, else model.dtype)"
+    )
+    max_batch_size: int | None = Field(
+        None, description="requests batched together (default: engine.max_batch_size)"
+    )
+    startup_timeout_s: float | None = Field(
+        None, description="seconds to wait for /health (default: engine.startup_timeout_s)"
+    )
+    url: str | None = Field(
+        None, description="attach to the engine already running there instead of launching one"
+    )
+    env: dict[str, str] | None = Field(None, description="extra environment variables of the engine process")
+    handoff_dir: str | None = Field(
+        None, description="directory of the colocated hand-off (set by the colocated transport)"
+    )
+    torch_threads: int | None = Field(None, description="torch threads of the engine process")
+    seed: int | None = Field(None, description="sampling seed (default: run.seed; null: none)")
+
+
+class EmbeddedOptions(_EngineOptions):
+    """``engine.options`` of the embedded engine (``python -m miles.engines.embedded``)."""
+
+    weight_version: int | None = Field(None, description="the weight version it starts at")
+    update_timeout_s: float | None = Field(
+        None, description="how long a staged multi-bucket update may wait for its next bucket"
+    )
+    log_level: str | None = Field(None, description="the engine's log level (DEBUG, INFO, ...)")
+    prefix_cache_tokens: int | None = Field(
+        None, description="KV tokens kept across requests for prefix reuse (0: off)"
+    )
+
+
+class SGLangOptions(_EngineOptions):
+    """``engine.options`` of SGLang servers (``sglang.launch_server``; ``url`` to attach)."""
+
+    extra_args: list[Any] | None = Field(None, description="more sglang.launch_server flags")
+    tp_size: int | None = Field(None, description="tensor-parallel size (--tp-size)")
+    mem_fraction_static: float | None = Field(None, description="--mem-fraction-static")
+    enable_return_routed_experts: bool | None = Field(
+        None, description="return MoE routing (--enable-return-routed-experts)"
+    )
+
+
+EMBEDDED_OPTIONS = set(EmbeddedOptions.model_fields)
+SGLANG_OPTIONS = set(SGLangOptions.model_fields)
 
 
 # ------------------------------------------------------------------ ports
@@ -395,6 +418,29 @@ class _EmbeddedCapabilities:
         )
 
 
+class _EmbeddedOptionsModel:
+    """``EmbeddedLauncher.Options``: the engine's own options plus the launch options of the
+    installed engine receivers (e.g. disk-delta's ``delta_root``), computed from what is installed."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> type[BaseModel]:
+        from miles.engines.embedded.receivers import installed_receivers
+
+        options = tuple(
+            sorted((o.name, o.help) for r in installed_receivers().loaded.values() for o in r.options)
+        )
+        return _embedded_options(options)
+
+
+@functools.cache
+def _embedded_options(receiver_options: tuple[tuple[str, str], ...]) -> type[BaseModel]:
+    if not receiver_options:
+        return EmbeddedOptions
+    fields: dict[str, Any] = {
+        name: (str | None, Field(None, description=help)) for name, help in receiver_options
+    }
+    return create_model("EmbeddedOptions", __base__=EmbeddedOptions, __module__=__name__, **fields)
+
+
 class EmbeddedLauncher(_ProcessLauncher):
     """Runs one ``python -m miles.engines.embedded`` process per spec.
 
@@ -413,15 +459,14 @@ class EmbeddedLauncher(_ProcessLauncher):
     # flat buffer, and the colocated hand-off directory) plus those of installed transport
     # distributions (disk-delta, p2p, ...), read when asked.
     capabilities = _EmbeddedCapabilities()
+    Options = _EmbeddedOptionsModel()  # engine.options
     launch_only_options = frozenset(
         {"seed", "env", "weight_version", "prefix_cache_tokens", "update_timeout_s", "log_level"}
     )
     launch_flags_hint = "start it with the matching `python -m miles.engines.embedded` flags (seed: --seed)"
 
     def _allowed_options(self) -> set[str]:
-        from miles.engines.embedded.receivers import installed_receivers
-
-        return EMBEDDED_OPTIONS | installed_receivers().option_names
+        return set(self.Options.model_fields)
 
     def command(self, spec: EngineSpec, port: int) -> list[str]:
         o = spec.options
@@ -526,6 +571,7 @@ class SGLangLauncher(_ProcessLauncher):
     # SGLang joins a torch.distributed weight group (/init_weights_update_group); the other
     # receivers are the embedded engine's own endpoints.
     capabilities = EngineCapabilities(receivers=frozenset({"weight-group"}))
+    Options = SGLangOptions  # engine.options
     attach_timeout_cap_s = 60.0
     launch_only_options = frozenset(
         {"seed", "env", "tp_size", "mem_fraction_static", "enable_return_routed_experts", "extra_args"}
@@ -536,7 +582,7 @@ class SGLangLauncher(_ProcessLauncher):
         super().__init__(startup_timeout_s=startup_timeout_s, python=python)
 
     def _allowed_options(self) -> set[str]:
-        return SGLANG_OPTIONS
+        return set(self.Options.model_fields)
 
     def _start(self, specs: list[EngineSpec], log_dir: str, timeout: float) -> list[str]:
         if importlib.util.find_spec("sglang") is None:

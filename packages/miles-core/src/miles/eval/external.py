@@ -19,6 +19,9 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field
+
+from miles.capabilities import ComponentOptions
 from miles.config.schema import DataSection
 from miles.errors import ConfigError
 from miles.eval.result import BACKEND_ERROR, EvalSkipped
@@ -66,6 +69,28 @@ def backend_metrics(value: Any, ref: str) -> tuple[dict[str, float], VersionStat
     )
 
 
+class EmbeddedEvalOptions(ComponentOptions):
+    """``eval.backend_options`` of the built-in ``embedded`` eval backend."""
+
+    data: dict[str, Any] | str = Field(
+        description="the eval prompts: a data section ({path: ..., ...}) or just the path"
+    )
+    reward: str = Field(description="reward name or import path")
+    reward_options: dict[str, Any] | None = Field(None, description="the reward's options")
+    max_prompts: int | None = Field(None, description="evaluate on the first N prompts only")
+    n_samples_per_prompt: int = Field(1, description="samples per prompt (>= 1)")
+    max_new_tokens: int = Field(64, description="tokens generated per sample (>= 1)")
+    temperature: float = Field(1.0, description="sampling temperature (> 0)")
+    generate_fn: str = Field("default", description="generate function name or import path")
+    engine_options: dict[str, Any] | None = Field(
+        None, description="options of its embedded engine (device, dtype, ...)"
+    )
+    tokenizer: str | None = Field(None, description="tokenizer directory (default: the checkpoint's own)")
+    log_dir: str | None = Field(
+        None, description="engine logs (default: a temporary directory, removed afterwards)"
+    )
+
+
 class EmbeddedEngineEval:
     """Built-in eval backend: an embedded engine of its own on the checkpoint directory, for one evaluation.
 
@@ -81,6 +106,8 @@ class EmbeddedEngineEval:
     ``max_batch_size``, ``torch_threads``, ``startup_timeout_s``, ...), ``tokenizer``,
     ``log_dir`` (engine logs; default a temporary directory removed afterwards).
     """
+
+    Options = EmbeddedEvalOptions
 
     def __init__(
         self,

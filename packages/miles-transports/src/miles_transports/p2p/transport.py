@@ -41,15 +41,23 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
+from pydantic import Field
 
 from miles.capabilities import TransportNeeds
 from miles.engines.client import EngineCall, SyncEngineClient
 from miles.errors import ConfigError, EngineError
-from miles_transports.bucket import Bucket, BucketedTransport, MiB, iter_buckets, tensor_nbytes
+from miles_transports.bucket import (
+    Bucket,
+    BucketedTransport,
+    MiB,
+    TransportOptions,
+    iter_buckets,
+    tensor_nbytes,
+)
 from miles_transports.p2p.plan import plan_transfers
 from miles_transports.p2p.receiver import HANDSHAKE, PROTOCOLS, P2PError, load_transfer_engine
 
@@ -129,6 +137,15 @@ class _Pending:
     bucket: int
 
 
+class P2POptions(TransportOptions):
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="the transfer engine's protocol")
+    timeout_s: float = Field(120.0, description="seconds one update may take")
+    local_hostname: str | None = Field(
+        None, description="address the engines reach this trainer at (default: this host's)"
+    )
+    device_name: str = Field("", description="RDMA device to use (empty: the transfer engine picks)")
+
+
 class P2PTransport(BucketedTransport):
     """``miles.interfaces.Transport`` writing into engine memory with Mooncake (entry point ``p2p``).
 
@@ -141,6 +158,7 @@ class P2PTransport(BucketedTransport):
     """
 
     needs = TransportNeeds(receiver="p2p")
+    Options = P2POptions
 
     def __init__(
         self,

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles.capabilities import EngineCapabilities
+from pydantic import Field
+
+from miles.capabilities import ComponentOptions, EngineCapabilities
 from miles.interfaces import EngineSpec
 from miles.types import GenerateOutput, SamplingParams
 
@@ -23,10 +25,18 @@ MODELS: dict[str, str] = {}  # URL -> the model directory its engine was started
 VERSIONS: dict[str, int] = {}  # URL -> the weight version the engine serves
 
 
+class EchoOptions(ComponentOptions):
+    """``engine.options`` of the echo kind (the driver adds device, dtype, ... to each spec itself)."""
+
+    url: str | None = Field(None, description="the echo:// address to attach to")
+    weight_version: int | None = Field(None, ge=0, description="the weight version it starts at")
+
+
 class EchoEngines:
     """The ``echo`` engine kind: ``launch`` gives each spec an ``echo://`` address; nothing is spawned."""
 
     capabilities = EngineCapabilities()
+    Options = EchoOptions
 
     def launch(self, specs: list[EngineSpec], log_dir: str) -> list[str]:
         urls = []

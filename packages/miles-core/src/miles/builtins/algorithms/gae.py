@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
 from miles.builtins.algorithms.kl import KLType, check_kl_type
 from miles.builtins.algorithms.reinforce_pp import (
+    ReinforcePPOptions,
     advantage_metrics,
     batch_rewards,
     check_flag,
@@ -62,6 +65,10 @@ def gae(
     return advantages
 
 
+class PPOOptions(ReinforcePPOptions):
+    lam: float = Field(1.0, description="GAE's lambda, in [0, 1]")
+
+
 class PPOAdvantage:
     """PPO: GAE over the loss tokens only, with the critic's values; the critic's targets are ``A + V``.
 
@@ -81,6 +88,7 @@ class PPOAdvantage:
     """
 
     default_loss = "ppo_clip"
+    Options = PPOOptions
 
     def __init__(
         self,

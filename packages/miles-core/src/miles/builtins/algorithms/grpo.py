@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from pydantic import Field
+
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.interfaces import AdvantageOutput
 from miles.types import Group
@@ -23,6 +26,13 @@ def centered_rewards(rewards: Sequence[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
+class GRPOOptions(ComponentOptions):
+    normalize_std: bool = Field(
+        True, description="divide by the group's reward std (false: Dr. GRPO, r - mean only)"
+    )
+    eps: float = Field(1e-6, description="added to the std before dividing (> 0)")
+
+
 class GRPOAdvantage:
     """Per group, ``A_i = (r_i − mean) / (std + eps)``, or ``r_i − mean`` with ``normalize_std=False`` (Dr. GRPO).
 
@@ -38,6 +48,7 @@ class GRPOAdvantage:
 
     name = "grpo"  # in error messages
     default_loss = "ppo_clip"
+    Options = GRPOOptions
 
     def __init__(self, normalize_std: bool = True, eps: float = 1e-6) -> None:
         who = self.name

@@ -9,8 +9,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
 from miles.builtins.algorithms.kl import KLType, check_kl_type, kl_estimate
 from miles.builtins.algorithms.reduction import Reduction, check_reduction, masked_mean, masked_reduce
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.interfaces import LossInputs, LossOutput
 
@@ -26,6 +29,24 @@ def _number(value: object, who: str, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{who}: {name} must be a finite number, got {value!r}")
     return float(value)
+
+
+class PPOClipOptions(ComponentOptions):
+    clip_low: float = Field(0.2, description="the ratio is clipped below at 1 - clip_low, in [0, 1)")
+    clip_high: float = Field(0.28, description="the ratio is clipped above at 1 + clip_high (>= 0)")
+    dual_clip: float | None = Field(
+        None, description="dual-clip bound c > 1 for negative advantages (null: off)"
+    )
+    kl_coef: float = Field(0.0, description="weight of the KL term against the reference model (0: off)")
+    kl_type: KLType = Field("k2", description="the KL estimator: k1, k2 or k3")
+    entropy_coef: float = Field(0.0, description="weight of the entropy bonus (0: off)")
+    reduction: Reduction = Field("token_mean", description="token_mean or sample_mean (see docs/losses.md)")
+
+
+class GSPOOptions(PPOClipOptions):
+    clip_low: float = Field(3e-4, description="the sequence ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(4e-4, description="the sequence ratio is clipped above at 1 + clip_high")
+    reduction: Reduction = Field("sample_mean", description="sample_mean (the paper's 1/|y|) or token_mean")
 
 
 class PPOClipLoss:
@@ -58,6 +79,8 @@ class PPOClipLoss:
 
     kind = "policy"
     name = "ppo_clip"
+
+    Options = PPOClipOptions
 
     def __init__(
         self,
@@ -187,6 +210,7 @@ class GSPOLoss(PPOClipLoss):
     """
 
     name = "gspo"
+    Options = GSPOOptions
 
     def __init__(
         self,

@@ -21,10 +21,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
 from miles.builtins.algorithms.grpo import centered_rewards
 from miles.builtins.algorithms.kl import KLType, check_kl_type, kl_estimate
 from miles.builtins.algorithms.tokens import TokenBatch
 from miles.builtins.algorithms.whiten import masked_mean_std, masked_whiten
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.interfaces import REF_LOGPROBS, AdvantageOutput
 from miles.types import Group
@@ -137,6 +140,18 @@ def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str,
 # --------------------------------------------------------------- estimators
 
 
+class ReinforcePPBaselineOptions(ComponentOptions):
+    kl_coef: float = Field(
+        0.0, description="weight of the per-token KL penalty against the reference model (0: off)"
+    )
+    kl_type: KLType = Field("k1", description="the KL estimator: k1, k2 or k3")
+    normalize: bool = Field(True, description="whiten the advantages over all loss tokens of the batch")
+
+
+class ReinforcePPOptions(ReinforcePPBaselineOptions):
+    gamma: float = Field(1.0, description="discount per generated token, in [0, 1]")
+
+
 class ReinforcePPAdvantage:
     """REINFORCE++: ``A_t = G_t = r_t + γ·G_{t+1}`` over the loss tokens, then whitened over the batch.
 
@@ -156,6 +171,7 @@ class ReinforcePPAdvantage:
     """
 
     default_loss = "ppo_clip"
+    Options = ReinforcePPOptions
 
     def __init__(
         self, gamma: float = 1.0, kl_coef: float = 0.0, kl_type: KLType = "k1", normalize: bool = True
@@ -190,6 +206,7 @@ class ReinforcePPBaselineAdvantage:
     """
 
     default_loss = "ppo_clip"
+    Options = ReinforcePPBaselineOptions
 
     def __init__(self, kl_coef: float = 0.0, kl_type: KLType = "k1", normalize: bool = True) -> None:
         who = "reinforce_pp_baseline"

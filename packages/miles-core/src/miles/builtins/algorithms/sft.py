@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 
+from pydantic import Field
+
 from miles.builtins.algorithms.reduction import Reduction, check_reduction, masked_mean, masked_reduce
+from miles.capabilities import ComponentOptions
 from miles.interfaces import LossInputs, LossOutput
 
 # Above this NLL the reported perplexity stops growing: e^80 ≈ 5.5e34 already says "untrained",
 # and the cap keeps the metric a finite float.
 PPL_LOG_CAP = 80.0
+
+
+class SFTOptions(ComponentOptions):
+    reduction: Reduction = Field("token_mean", description="token_mean or sample_mean (see docs/losses.md)")
 
 
 class SFTLoss:
@@ -28,6 +35,7 @@ class SFTLoss:
 
     kind = "supervised"
     name = "sft"
+    Options = SFTOptions
 
     def __init__(self, reduction: Reduction = "token_mean") -> None:
         self.reduction = check_reduction(reduction, self.name)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.interfaces import CorrectionOutput
 
@@ -22,6 +25,11 @@ if TYPE_CHECKING:
 
 # exp(20) is about 5e8: far beyond any truncation bound, and finite in float32.
 LOG_RATIO_LIMIT = 20.0
+
+
+class RatioOptions(ComponentOptions):
+    low: float = Field(0.0, description="lower bound of the trusted ratio range (>= 0)")
+    high: float = Field(2.0, description="upper bound of the trusted ratio range (> low)")
 
 
 class _RatioCorrection(abc.ABC):
@@ -35,6 +43,7 @@ class _RatioCorrection(abc.ABC):
     """
 
     name = "correction"
+    Options = RatioOptions
 
     def __init__(self, low: float = 0.0, high: float = 2.0) -> None:
         if not (low >= 0 and high > low):

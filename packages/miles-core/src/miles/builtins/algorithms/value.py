@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import math
 
+from pydantic import Field
+
 from miles.builtins.algorithms.reduction import Reduction, check_reduction, masked_mean, masked_reduce
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.interfaces import LossInputs, LossOutput
+
+
+class ValueClipOptions(ComponentOptions):
+    clip: float | None = Field(
+        0.2, description="how far a step may move a prediction from V_old (> 0; null: plain squared error)"
+    )
+    reduction: Reduction = Field("token_mean", description="token_mean or sample_mean")
 
 
 class ClippedValueLoss:
@@ -29,6 +39,7 @@ class ClippedValueLoss:
 
     kind = "value"
     name = "value_clip"
+    Options = ValueClipOptions
 
     def __init__(self, clip: float | None = 0.2, reduction: Reduction = "token_mean") -> None:
         if clip is not None and (

@@ -6,13 +6,24 @@ import json
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from miles.builtins.data.records import PromptFormat, PromptPool, Where, check_options, map_records
+from miles.capabilities import ComponentOptions
 from miles.errors import DataError
 
 FORMATS = ("jsonl", "parquet")
 _SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet"}
+
+
+class FileOptions(ComponentOptions):
+    """``data.options`` of the file sources (jsonl, parquet)."""
+
+    format: Literal["jsonl", "parquet"] | None = Field(
+        None, description="the file format (default: from the suffix)"
+    )
 
 
 class FileDataSource(PromptPool):
@@ -22,6 +33,8 @@ class FileDataSource(PromptPool):
     DataError naming the file, the line (or row) and the field. ``options`` may hold
     ``format`` (``jsonl`` or ``parquet``) for a file whose suffix says neither.
     """
+
+    Options = FileOptions  # data.options
 
     def __init__(
         self,

@@ -6,10 +6,26 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from miles.builtins.data.records import PromptFormat, PromptPool, Where, check_options, map_records
+from miles.capabilities import ComponentOptions
 from miles.errors import DataError
 
-_OPTIONS = ("split", "name", "revision", "data_dir", "data_files")
+
+class HFOptions(ComponentOptions):
+    """``data.options`` of the ``hf`` source: passed to ``datasets.load_dataset``."""
+
+    split: str = Field("train", description="the split to read")
+    name: str | None = Field(None, description="the dataset's configuration name")
+    revision: str | None = Field(None, description="a git revision of the dataset repository")
+    data_dir: str | None = Field(None, description="data_dir of load_dataset")
+    data_files: str | list[str] | dict[str, Any] | None = Field(
+        None, description="data_files of load_dataset"
+    )
+
+
+_OPTIONS = tuple(HFOptions.model_fields)
 
 
 class HFDataSource(PromptPool):
@@ -20,6 +36,8 @@ class HFDataSource(PromptPool):
     nothing is downloaded on machines without a hub). ``options``: ``split``
     (default ``train``), ``name`` (the dataset config), ``revision``, ``data_dir``, ``data_files``.
     """
+
+    Options = HFOptions  # data.options
 
     def __init__(
         self,

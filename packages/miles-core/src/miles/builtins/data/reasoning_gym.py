@@ -11,11 +11,22 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pydantic import ConfigDict, Field
+
 from miles.builtins.data.records import PromptFormat, PromptPool, Where, map_records
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError, DataError
 
 METADATA_KEY = "reasoning_gym"
 INSTALL_HINT = "pip install reasoning-gym"
+
+
+class ReasoningGymOptions(ComponentOptions):
+    """``data.options`` of ``reasoning_gym``: ``size``; every other key is the task's own configuration."""
+
+    model_config = ConfigDict(extra="allow")  # the task's configuration (min_terms, ...), checked by the task
+
+    size: int | None = Field(None, description="entries generated (default 1000)")
 
 
 class ReasoningGymDataSource(PromptPool):
@@ -25,6 +36,8 @@ class ReasoningGymDataSource(PromptPool):
     (``path`` names the task when ``task`` is not given; ``options`` other than ``size``
     go to the task's config, e.g. ``min_terms``).
     """
+
+    Options = ReasoningGymOptions  # data.options
 
     def __init__(
         self,

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import re
 
+from pydantic import Field
+
 from miles.builtins.rewards.labels import require_label
 from miles.builtins.rewards.reasoning import strip_reasoning
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError, DataError
 from miles.types import Sample
 
@@ -51,8 +54,14 @@ _BOXED = re.compile(r"\\boxed\{\s*(?:\\text(?:bf)?\{\s*)?[(\[]?\s*" + _LETTER + 
 _BARE_LINE = re.compile(r"[\s*_(\[]*" + _LETTER + r"[\s*_)\].:]*")
 
 
+class MultipleChoiceOptions(ComponentOptions):
+    choices: str = Field(DEFAULT_CHOICES, description="the answer letters, distinct uppercase (e.g. ABCD)")
+
+
 class MultipleChoiceReward:
     """Scores ``sample.response_text`` against the letter in ``sample.prompt.label``."""
+
+    Options = MultipleChoiceOptions
 
     def __init__(self, choices: str = DEFAULT_CHOICES) -> None:
         if (

@@ -10,13 +10,22 @@ number), so a response that is exactly right scores exactly 1.0.
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from miles.builtins.rewards.labels import require_label
 from miles.builtins.rewards.math import extract_answer, normalize, reference_answer, to_number
+from miles.capabilities import ComponentOptions
 from miles.errors import DataError
 from miles.types import Sample
 
 
+class NumericClosenessOptions(ComponentOptions):
+    scale: float = Field(10.0, description="how far off an answer may be and still earn credit (> 0)")
+
+
 class NumericCloseness:
+    Options = NumericClosenessOptions
+
     def __init__(self, scale: float = 10.0) -> None:
         if scale <= 0:
             raise ValueError(f"numeric_closeness: scale must be > 0, got {scale}")

@@ -7,10 +7,19 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import Field
+
 from miles.builtins.data.reasoning_gym import INSTALL_HINT, METADATA_KEY
 from miles.builtins.rewards.reasoning import strip_reasoning
+from miles.capabilities import ComponentOptions
 from miles.errors import ComponentError, DataError
 from miles.types import Sample
+
+
+class ReasoningGymRewardOptions(ComponentOptions):
+    answer_tag: str | None = Field(
+        "answer", description="score the last <tag>...</tag> of the response (null: the whole response)"
+    )
 
 
 class ReasoningGymReward:
@@ -20,6 +29,8 @@ class ReasoningGymReward:
     response when there is one (reasoning-gym's own convention), else the whole response
     stripped; either way outside the response's ``<think>`` reasoning (``strip_reasoning``). ``answer_tag=None`` always scores the whole response.
     """
+
+    Options = ReasoningGymRewardOptions
 
     def __init__(self, answer_tag: str | None = "answer") -> None:
         self.answer_tag = answer_tag

@@ -34,6 +34,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from pydantic import Field
+
+from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.types import Sample
 
@@ -198,10 +201,27 @@ class _RemoteScorer:
         return float(value)
 
 
+class RemoteOptions(ComponentOptions):
+    url: str = Field(description="the reward service's endpoint (http or https)")
+    key: str = Field("score", description="the field of the reply that holds the score")
+    timeout_s: float = Field(30.0, description="seconds one request may take")
+    retries: int = Field(3, description="retries of a failed request (>= 0)")
+    backoff_s: float = Field(0.5, description="first wait between retries, doubled each time")
+    max_concurrency: int = Field(64, description="requests in flight at once")
+    headers: dict[str, str] | None = Field(None, description="extra HTTP headers (e.g. Authorization)")
+
+
+class RemoteGroupOptions(RemoteOptions):
+    key: str = Field("scores", description="the field of the reply that holds the list of scores")
+    timeout_s: float = Field(60.0, description="seconds one request may take")
+    max_concurrency: int = Field(16, description="requests in flight at once")
+
+
 class RemoteReward(_RemoteScorer):
     """Scores each sample with one POST to ``url`` (see the module docstring for the protocol)."""
 
     name = "remote"
+    Options = RemoteOptions
 
     def __init__(
         self,
@@ -225,6 +245,7 @@ class RemoteGroupReward(_RemoteScorer):
     """Scores a whole group with one POST of ``{"samples": [...]}``; the reply holds one score per sample."""
 
     name = "remote_group"
+    Options = RemoteGroupOptions
     group_reward = True  # the rollout calls it once per group with the group's finished samples
 
     def __init__(

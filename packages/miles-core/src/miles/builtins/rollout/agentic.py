@@ -23,7 +23,7 @@ from typing import Any
 
 from miles.builtins.rewards.agent import AGENT_REWARD
 from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
-from miles.capabilities import GenerateNeeds, declare_needs
+from miles.capabilities import GenerateNeeds, NoOptions, declare_needs, declare_options
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import AgentResult, AgentTask, RolloutContext
 from miles.types import Sample, SamplingParams
@@ -35,6 +35,7 @@ log = logging.getLogger("miles.rollout")
 @declare_needs(
     GenerateNeeds(model_family=True, session_server=True, sync_only_update_modes=True, branching=True)
 )
+@declare_options(NoOptions)  # reads no rollout.options (its settings are the agentic section)
 async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     agentic = agentic_context(ctx, "agentic")
     if agentic.server is None or agentic.agent is None:

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from miles.builtins.rollout.prompts import render_prompt_ids
+from miles.capabilities import NoOptions
 from miles.interfaces import GenerateFn, RolloutContext
 from miles.plugins import load_component
 from miles.tracking.timing import add_busy
@@ -34,7 +35,10 @@ class GroupRollout:
 
     ``generate_fn`` names the layer below (a generate function by name or import path),
     so a multi-turn or agentic generate function replaces exactly that layer.
+    It reads no ``rollout.options`` (``Options``); a generate function may.
     """
+
+    Options = NoOptions
 
     def __init__(self, generate_fn: str = "default") -> None:
         self.generate: GenerateFn = load_component("generate", generate_fn)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from miles.capabilities import NoOptions, declare_options
 from miles.interfaces import RolloutContext
 from miles.types import Sample, Status
 
 _FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
+@declare_options(NoOptions)  # reads no rollout.options
 async def single_turn_generate(ctx: RolloutContext, sample: Sample) -> Sample:
     """Sample a response to ``sample.prompt_ids`` and record exactly what the engine returned."""
     served_at_start = ctx.served_version

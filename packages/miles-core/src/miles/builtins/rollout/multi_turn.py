@@ -19,7 +19,7 @@ import traceback
 
 from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
 from miles.builtins.tools import run_tool_calls
-from miles.capabilities import GenerateNeeds, declare_needs
+from miles.capabilities import GenerateNeeds, NoOptions, declare_needs, declare_options
 from miles.interfaces import AgenticContext, RolloutContext
 from miles.session_server.turns import ContextExhausted, complete_turn
 from miles.sessions import LinearSession, strict
@@ -31,6 +31,7 @@ log = logging.getLogger("miles.rollout")
 # It renders with the model family's template and keeps a session whose prefix a mid-turn weight
 # change would break; it plays the agent itself, so no session server.
 @declare_needs(GenerateNeeds(model_family=True, sync_only_update_modes=True))
+@declare_options(NoOptions)  # reads no rollout.options (its settings are the agentic section)
 async def multi_turn_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     agentic = agentic_context(ctx, "multi_turn")
     session = LinearSession(matcher=agentic.matcher or strict)
