@@ -131,7 +131,7 @@ def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_
             "param_dtype": "bfloat16" if cuda else None,
             "reduce_dtype": "float32" if cuda else None,
             "gradient_checkpointing": args.gradient_checkpointing,
-            "attn_implementation": "sdpa",
+            "attn_implementation": args.attn,
             "startup_timeout_s": 600,
             "command_timeout_s": 600,
             **fsdp,
@@ -161,7 +161,7 @@ def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_
             steps.append(metrics)
             print(f"  {name} step {step}: {metrics['wall_s']:.3f} s", flush=True)
     except Exception as exc:  # an OOM in one configuration must not lose the others' figures
-        result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        result["error"] = f"{type(exc).__name__}: ...{str(exc)[-700:]}"
         return result
     finally:
         backend.shutdown()
@@ -198,6 +198,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--attn", default="sdpa", help="transformers attention backend (sdpa, flex_attention...)"
+    )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200: 989)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     parser.add_argument("--out", default=None, help="write the JSON result here")
