@@ -280,3 +280,32 @@ def test_refusals_and_scoring(model_dir: Path, engine_tmp: Path) -> None:
         fallback.stop()
     with pytest.raises(ValueError, match="kv_tokens"):
         _engine(model_dir, kv_cache="paged")
+
+
+def test_memory_endpoints(model_dir: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from miles.engines.embedded.receivers import InstalledReceivers
+    from miles.engines.embedded.server import create_app
+
+    paged = _paged(model_dir)
+    dynamic = _engine(model_dir, kv_cache="dynamic")
+    try:
+        client = TestClient(create_app(paged, InstalledReceivers({}, {})))
+        held = paged.paged.pool.nbytes
+        r = client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert r.status_code == 200 and r.json()["freed_bytes"] == held > 0
+        assert client.get("/get_server_info").json()["kv_pool"]["released"]
+        bad = client.post("/release_memory_occupation", json={"tags": ["weights"]})
+        assert bad.status_code == 400 and "KV cache only" in bad.json()["message"]
+        assert client.post("/resume_memory_occupation", json={}).status_code == 200
+        out = client.post(
+            "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}}
+        )
+        assert out.status_code == 200 and len(out.json()["output_ids"]) == 3
+        plain = TestClient(create_app(dynamic, InstalledReceivers({}, {})))
+        refused = plain.post("/release_memory_occupation")
+        assert refused.status_code == 400 and "paged KV cache" in refused.json()["message"]
+    finally:
+        paged.stop()
+        dynamic.stop()

@@ -9,7 +9,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -166,7 +166,8 @@ class EmbeddedEngine:
         self._version_lock = threading.Lock()
         self.weights = WeightUpdater(
             model,
-            step_lock=self.scheduler.step_lock,
+            # A FifoLock, used through the Lock interface only (with-statements).
+            step_lock=cast("threading.Lock", self.scheduler.step_lock),
             get_version=lambda: self.weight_version,
             set_version=self.set_weight_version,
             # KV computed by the old weights must never be reused: every weight change empties the cache.
@@ -187,6 +188,12 @@ class EmbeddedEngine:
             raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {choice!r}")
         if choice == "dynamic" or (choice == "auto" and self.device.type != "cuda"):
             return False
+        o = self.options
+        if o.kv_tokens < 0 or o.chunk_tokens < 0 or o.block_size < 1 or not 0.0 < o.mem_fraction < 1.0:
+            raise ValueError(
+                f"paged KV options out of range: kv_tokens {o.kv_tokens} (>= 0), chunk_tokens {o.chunk_tokens} "
+                f"(>= 0), block_size {o.block_size} (>= 1), mem_fraction {o.mem_fraction} (in (0, 1))"
+            )
         reason = unsupported_reason(model)
         if reason is None and self.device.type == "cuda":
             try:

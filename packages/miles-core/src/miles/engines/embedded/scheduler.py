@@ -60,6 +60,44 @@ log = logging.getLogger("miles.engines.embedded")
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+class FifoLock:
+    """A lock that serves waiters in arrival order (the ``with`` / acquire / release of a Lock).
+
+    ``step_lock`` is retaken by the scheduler thread right after every step; with a plain
+    Lock a weight update or a pause waiting for it could lose every race until the batch
+    drains (seen with millisecond CUDA-graph steps). Here the next step waits its turn.
+    Not reentrant, like the Lock it replaces.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0  # the ticket the next caller draws
+        self._serving = 0  # the ticket that holds the lock
+
+    def acquire(self) -> bool:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            while ticket != self._serving:
+                self._cond.wait()
+        return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+    def locked(self) -> bool:
+        with self._cond:
+            return self._next != self._serving
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class Scheduler:
     def __init__(
         self,
@@ -80,7 +118,7 @@ class Scheduler:
         self.version = version
         self.max_batch_size = max_batch_size
         self.mergeable = mergeable
-        self.step_lock = threading.Lock()  # held for every step and every batch or weight change
+        self.step_lock = FifoLock()  # held for every step and every batch or weight change
         self._lock = threading.Lock()  # guards the queue and the flags below (taken after step_lock)
         self._wake = threading.Condition(self._lock)
         self._waiting: collections.deque[GenRequest] = collections.deque()

@@ -21,6 +21,11 @@ The engine keeps a prefix cache (see ``miles.engines.embedded.prefix_cache``):
 ``/flush_cache`` empties it, and so does every weight change. It has one
 data-parallel rank: ``data_parallel_rank`` on ``/generate`` may be null or 0.
 
+With the paged KV cache (``--kv-cache``, see ``docs/engine.md``),
+``/release_memory_occupation`` frees the KV pool (running requests are retracted and
+wait) and ``/resume_memory_occupation`` allocates it again (SGLang's names; only the
+``kv_cache`` tag: the weights stay on the device).
+
 Run: ``python -m miles.engines.embedded --model PATH [--host 127.0.0.1] [--port P]``.
 """
 
@@ -248,6 +253,22 @@ class UpdateFromTensorBody(_BucketBody):
     load_format: str | None = None
 
 
+class MemoryOccupationBody(_Body):
+    tags: list[str] | None = Field(
+        None, description="SGLang's tags; this engine frees the KV cache only: null or ['kv_cache']"
+    )
+
+    @field_validator("tags")
+    @classmethod
+    def _kv_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and set(v) - {"kv_cache"}:
+            raise ValueError(
+                f"tags {sorted(set(v) - {'kv_cache'})} are not supported: the embedded engine releases the KV "
+                "cache only (tags null or ['kv_cache']); its weights stay on the device"
+            )
+        return v
+
+
 class WeightsCheckerBody(_Body):
     action: Literal["reset_tensors", "checksum"]
     skip: list[str] = Field(default_factory=list, description="state-dict names to leave alone / leave out")
@@ -408,6 +429,25 @@ def create_app(engine: Any, receivers: InstalledReceivers | None = None) -> Fast
     async def continue_generation(body: Annotated[dict[str, Any] | None, Body()] = None) -> dict[str, Any]:
         engine.scheduler.resume()
         return {"message": "Generation continued.", "status": "ok"}
+
+    @app.post(
+        "/release_memory_occupation",
+        summary="Free the KV pool (paged KV cache only); running requests are retracted and wait",
+    )
+    async def release_memory_occupation(body: Annotated[MemoryOccupationBody | None, Body()] = None) -> Any:
+        try:
+            freed = await asyncio.to_thread(engine.release_memory)
+        except (ValueError, RuntimeError) as exc:
+            return _fail(str(exc))
+        return _ok(f"Released the KV cache ({freed} bytes).", freed_bytes=freed)
+
+    @app.post("/resume_memory_occupation", summary="Allocate the KV pool again after a release")
+    async def resume_memory_occupation(body: Annotated[MemoryOccupationBody | None, Body()] = None) -> Any:
+        try:
+            await asyncio.to_thread(engine.resume_memory)
+        except (ValueError, RuntimeError) as exc:
+            return _fail(str(exc))
+        return _ok("Resumed the KV cache.")
 
     @app.post("/abort_request", summary="Abort one request by rid, or all")
     async def abort_request(body: AbortBody) -> Any:
@@ -604,6 +644,33 @@ def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentPar
         help="most tokens of finished requests' KV kept for reuse by later requests with the same prefix "
         "(a session's next turn); 0 disables the prefix cache",
     )
+    p.add_argument(
+        "--kv-cache",
+        default="auto",
+        choices=["auto", "paged", "dynamic"],
+        help="paged: the fast path (paged KV pool, chunked prefill, CUDA graphs; Qwen2/Qwen3 dense); dynamic: "
+        "a transformers DynamicCache per batch; auto: paged on CUDA where the model allows (docs/engine.md)",
+    )
+    p.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.85,
+        help="paged, CUDA: share of the GPU memory free after the model is loaded that the KV pool takes",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=0,
+        help="paged: a KV pool of this many token slots (needed on the CPU)",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        help="paged: most prompt tokens one step prefills (0: 8192 on CUDA, 512 on the CPU)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="paged: tokens per KV block")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="paged: run the decode step eagerly")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for receiver in receivers.loaded.values() if receivers is not None else ():
@@ -692,9 +759,18 @@ def main(argv: list[str] | None = None) -> None:
         receiver_options={name: getattr(args, name) for name in receivers.option_names},
         update_timeout_s=args.update_timeout_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        kv_cache=args.kv_cache,
+        mem_fraction=args.mem_fraction,
+        kv_tokens=args.kv_tokens,
+        chunk_tokens=args.chunk_tokens,
+        block_size=args.block_size,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     t0 = time.monotonic()
-    engine = EmbeddedEngine(options)
+    try:
+        engine = EmbeddedEngine(options)
+    except ValueError as exc:  # a refused configuration (e.g. --kv-cache paged for an MoE model)
+        raise SystemExit(f"miles embedded engine: {exc}") from None
     engine.start()
     log.info(
         "model %s loaded on %s (%s) in %.1fs; serving on http://%s:%d",

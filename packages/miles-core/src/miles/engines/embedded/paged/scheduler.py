@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 from miles.engines.embedded.paged.runner import PagedRunner, SeqState
@@ -88,7 +89,17 @@ class PagedScheduler(Scheduler):
         self._states: dict[GenRequest, SeqState] = {}
         self._seeds = random.Random(seed)
         self.released = False
-        self.stats.update({"retractions": 0, "prefill_chunks": 0, "kv_blocks_free": paged.allocator.num_free})
+        self.stats.update(
+            {
+                "retractions": 0,
+                "prefill_chunks": 0,
+                "kv_blocks_free": paged.allocator.num_free,
+                # Wall seconds in decode forwards (read-back included), in prefill forwards, in steps.
+                "decode_s": 0.0,
+                "prefill_s": 0.0,
+                "step_s": 0.0,
+            }
+        )
 
     # ------------------------------------------------------------- public API
 
@@ -141,11 +152,13 @@ class PagedScheduler(Scheduler):
         if self.paused or self.released:
             self._retire()
             return
+        t0 = time.perf_counter()
         self._decode()
         self._retire()
         self._prefill()
         self._retire()
         self.stats["kv_blocks_free"] = self.paged.allocator.num_free
+        self.stats["step_s"] += time.perf_counter() - t0
 
     def _state(self, row: GenRequest) -> SeqState:
         state = self._states.get(row)
@@ -181,7 +194,9 @@ class PagedScheduler(Scheduler):
             return
         vocab = self.paged.vocab_size
         filtered = any(r.top_p < 1.0 or 0 < r.top_k < vocab for r in rows)
+        t0 = time.perf_counter()
         out = self.paged.decode([self._states[r] for r in rows], [r.output_ids[-1] for r in rows], filtered)
+        self.stats["decode_s"] += time.perf_counter() - t0
         for row, tok, lp in zip(rows, out.tokens, out.logprobs, strict=True):
             self._append(row, tok, lp)
         self._stamp_versions(rows)
@@ -216,7 +231,9 @@ class PagedScheduler(Scheduler):
         if not chunks:
             return
         new = [r for r in self._running.rows if self._states[r].kv_len == 0]
+        t0 = time.perf_counter()
         out = self.paged.prefill(chunks)
+        self.stats["prefill_s"] += time.perf_counter() - t0
         for row, tok, lp in zip(sampled, out.tokens, out.logprobs, strict=True):
             self._append(row, tok, lp)
         self._stamp_versions(sampled)

@@ -135,70 +135,84 @@ def paged_decode(
 
 
 @triton.jit
-def _mix32(x, M1, M2, MASK):
+def _mix32(x):
+    # The hash of ``sampling.mix32`` in native uint32 arithmetic (products wrap mod 2**32).
     x = x ^ (x >> 16)
-    x = (x * M1) & MASK
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)
-    x = (x * M2) & MASK
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
     return x ^ (x >> 16)
 
 
 @triton.jit
-def _sample_plain_kernel(L, TEMP, KEYS, TOK, LP, vocab, stride_l, MIN_T: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_split_kernel(
+    L, TEMP, KEYS, M, S, BEST, BZ, BI, vocab, stride_l, span, SPLITS: tl.constexpr, MIN_T: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program (row r, split j) reduces vocabulary entries [j * span, (j + 1) * span): the running
+    # max and sum of exp for the log-softmax normaliser, and the best Gumbel score with its
+    # token and scaled logit. sample_plain combines the splits.
     r = tl.program_id(0)
-    M1 = tl.full([], 0x7FEB352D, tl.int64)
-    M2 = tl.full([], 0x846CA68B, tl.int64)
-    MASK = tl.full([], 0xFFFFFFFF, tl.int64)
+    j = tl.program_id(1)
     t = tl.load(TEMP + r)
     greedy = t < MIN_T
     t = tl.where(greedy, 1.0, t)
-    key = tl.load(KEYS + r)
+    key = tl.load(KEYS + r).to(tl.uint32)
     offs = tl.arange(0, BLOCK)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     best = tl.full([], float("-inf"), tl.float32)
     best_z = tl.zeros([], tl.float32)
-    best_i = tl.zeros([], tl.int64)
-    for start in range(0, vocab, BLOCK):
+    best_i = tl.zeros([], tl.int32)
+    lo = j * span
+    hi = tl.minimum(lo + span, vocab)
+    for start in range(lo, hi, BLOCK):
         idx = start + offs
-        valid = idx < vocab
+        valid = idx < hi
         z = tl.load(L + r * stride_l + idx, mask=valid, other=float("-inf")).to(tl.float32) / t
         m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.where(valid, tl.exp(z - m_new), 0.0), 0)
         m = m_new
-        h = _mix32(key ^ idx.to(tl.int64), M1, M2, MASK)
+        h = _mix32(key ^ idx.to(tl.uint32))
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        g = -tl.log(-tl.log(u))
-        score = tl.where(greedy, z, z + g)
+        score = tl.where(greedy, z, z - tl.log(-tl.log(u)))
         score = tl.where(valid, score, float("-inf"))
         tile_best = tl.max(score, 0)
         tile_arg = tl.argmax(score, 0)
         tile_z = tl.sum(tl.where(offs == tile_arg, z, 0.0), 0)
         take = tile_best > best  # strict: the first maximum wins, as torch.argmax
-        best_i = tl.where(take, (start + tile_arg).to(tl.int64), best_i)
+        best_i = tl.where(take, start + tile_arg, best_i)
         best_z = tl.where(take, tile_z, best_z)
         best = tl.where(take, tile_best, best)
-    tl.store(TOK + r, best_i)
-    tl.store(LP + r, best_z - m - tl.log(s))
+    out = r * SPLITS + j
+    tl.store(M + out, m)
+    tl.store(S + out, s)
+    tl.store(BEST + out, best)
+    tl.store(BZ + out, best_z)
+    tl.store(BI + out, best_i)
 
 
 def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> tuple[Any, Any]:
-    """Tokens and log-probs of rows without top-k/top-p, one pass over the logits per row."""
+    """Tokens and log-probs of rows without top-k/top-p: one pass over the logits, the vocabulary
+    split over ``SPLITS`` programs per row (a batch of one still fills the GPU), then a few
+    torch ops over ``[B, SPLITS]`` to combine (capturable, like the kernel)."""
     from miles.engines.embedded.paged.sampling import MIN_TEMPERATURE
 
     batch, vocab = logits.shape
-    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    _sample_plain_kernel[(batch,)](
-        logits,
-        temperature,
-        keys,
-        tokens,
-        logprobs,
-        vocab,
-        logits.stride(0),
-        MIN_T=MIN_TEMPERATURE,
-        BLOCK=2048,
-        num_warps=8,
-    )
-    return tokens, logprobs
+    splits = 32
+    block = 1024
+    span = -(-vocab // (splits * block)) * block
+    dev = logits.device
+    m = torch.empty(batch, splits, dtype=torch.float32, device=dev)
+    s, best, best_z = torch.empty_like(m), torch.empty_like(m), torch.empty_like(m)
+    best_i = torch.empty(batch, splits, dtype=torch.int32, device=dev)
+    _sample_split_kernel[(batch, splits)](
+        logits, temperature, keys, m, s, best, best_z, best_i, vocab, logits.stride(0), span,
+        SPLITS=splits, MIN_T=MIN_TEMPERATURE, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    top = m.max(dim=1, keepdim=True).values
+    lse = top.squeeze(1) + torch.log((s * torch.exp(m - top)).sum(dim=1))
+    # Splits are in vocabulary order, so argmax's first maximum is the first maximum overall.
+    pick = best.argmax(dim=1, keepdim=True)
+    tokens = best_i.gather(1, pick).squeeze(1).to(torch.int64)
+    return tokens, best_z.gather(1, pick).squeeze(1) - lse
