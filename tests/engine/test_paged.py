@@ -309,3 +309,27 @@ def test_memory_endpoints(model_dir: Path) -> None:
     finally:
         paged.stop()
         dynamic.stop()
+
+
+def test_qwen2_paged_equals_dynamic(engine_tmp: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, eos_token_id=None,
+        bos_token_id=None, tie_word_embeddings=True,
+    )  # fmt: skip
+    path = engine_tmp / "paged-qwen2"
+    Qwen2ForCausalLM(config).save_pretrained(path)  # q/k/v biases, no q_norm/k_norm
+    dynamic = _engine(path, kv_cache="dynamic")
+    paged = _paged(path, chunk_tokens=5)
+    try:
+        a = _generate(dynamic, PROMPTS, temperature=0.0)
+        b = _generate(paged, PROMPTS, temperature=0.0)
+        for x, y in zip(a, b, strict=True):
+            assert y.output_ids == x.output_ids
+            assert y.output_logprobs == pytest.approx(x.output_logprobs, abs=1e-5)
+    finally:
+        dynamic.stop()
+        paged.stop()

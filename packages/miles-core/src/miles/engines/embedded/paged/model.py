@@ -139,12 +139,53 @@ class PagedModel:
                 cos, sin = inner.rotary_emb(probe, pos)
                 cos_parts.append(cos[0])
                 sin_parts.append(sin[0])
-        self.cos = torch.cat(cos_parts)
-        self.sin = torch.cat(sin_parts)
+        self.cos = torch.cat(cos_parts).contiguous()
+        self.sin = torch.cat(sin_parts).contiguous()
         self.max_positions = max_positions
+        # On CUDA the layers run through the fused Triton kernels (few launches per layer);
+        # elsewhere, and for activations other than SiLU, through the HF modules' own forwards.
+        self.fused = self.device.type == "cuda" and getattr(config, "hidden_act", "silu") == "silu"
 
     def forward(self, step: StepInputs) -> Any:
         """Logits (float32) of ``step.logit_rows``; writes every token's KV into the pool."""
+        return self._forward_fused(step) if self.fused else self._forward_modules(step)
+
+    def _forward_fused(self, step: StepInputs) -> Any:
+        from miles.engines.embedded.paged.triton_kernels import add_rms_norm, norm_rope_store, silu_mul
+
+        x = self.embed(step.input_ids)
+        tokens = x.shape[0]
+        k_pool, v_pool = self.pool.k, self.pool.v
+        first = self.layers[0].input_layernorm
+        h = add_rms_norm(x, None, first.weight, first.variance_epsilon)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            qn = attn.q_norm if self.qk_norm else None
+            q = norm_rope_store(
+                attn.q_proj(h),
+                attn.k_proj(h),
+                attn.v_proj(h),
+                qn.weight if qn is not None else None,
+                attn.k_norm.weight if qn is not None else None,
+                qn.variance_epsilon if qn is not None else 0.0,
+                self.cos,
+                self.sin,
+                step.positions,
+                step.slots,
+                k_pool[i],
+                v_pool[i],
+            )
+            o = self._attend(q, k_pool[i], v_pool[i], step.attn)
+            post = layer.post_attention_layernorm
+            h = add_rms_norm(x, attn.o_proj(o.reshape(tokens, -1)), post.weight, post.variance_epsilon)
+            mlp = layer.mlp
+            m = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = add_rms_norm(x, m, nxt.weight, nxt.variance_epsilon)
+        h = h if step.logit_rows is None else h[step.logit_rows]
+        return self.lm_head(h).float()
+
+    def _forward_modules(self, step: StepInputs) -> Any:
         x = self.embed(step.input_ids)
         tokens = x.shape[0]
         cos = self.cos[step.positions][:, None, :]

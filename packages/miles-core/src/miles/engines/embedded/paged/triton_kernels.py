@@ -216,3 +216,142 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Te
     pick = best.argmax(dim=1, keepdim=True)
     tokens = best_i.gather(1, pick).squeeze(1).to(torch.int64)
     return tokens, best_z.gather(1, pick).squeeze(1) - lse
+
+
+# ------------------------------------------------------------------ fused layer pieces
+#
+# A decode step of a 28-layer model is some 1,400 small kernels when every torch op runs on
+# its own (each RMSNorm is six, RoPE a dozen), and at small batches their fixed cost, not
+# the bytes, sets the step time. These kernels fold each group into one launch; they read
+# the HF modules' own weight tensors and follow the HF numerics (the residual sum and the
+# normalised value rounded to the model's dtype before the weight multiplies).
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    X, R, W, Y, stride_x, stride_r, stride_y, eps, D: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if ADD:  # the residual stream: X += R, rounded to its dtype as torch's add is
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(
+            X.dtype.element_ty
+        )
+        tl.store(X + row * stride_x + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / D
+    normed = (xf * (1.0 / tl.sqrt(var + eps))).to(X.dtype.element_ty)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    tl.store(
+        Y + row * stride_y + offs,
+        (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``x += residual`` in place (when given), then RMSNorm of ``x`` with ``weight``; ``x`` is [N, D]."""
+    n, d = x.shape
+    y = torch.empty_like(x)
+    r = residual if residual is not None else x
+    _add_rms_norm_kernel[(n,)](
+        x, r, weight, y, x.stride(0), r.stride(0), y.stride(0), eps,
+        D=d, BLOCK=triton.next_power_of_2(d), ADD=residual is not None, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _norm_rope_store_kernel(
+    Q, K, V, QW, KW, COS, SIN, POS, SLOTS, QOUT, KC, VC, stride_q, stride_k, stride_v, stride_qo, stride_c, eps,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    # Program (token t, head j): heads 0..H-1 are queries (normed, rotated, written to QOUT),
+    # H..H+KVH-1 keys (normed, rotated, written to the pool slot), the rest values (copied there).
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    offs = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    partner = (offs + half) % D
+    sign = tl.where(offs < half, -1.0, 1.0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    dt = QOUT.dtype.element_ty
+    if j >= H + KVH:
+        v = tl.load(V + t * stride_v + (j - H - KVH) * D + offs)
+        tl.store(VC + slot * stride_c + (j - H - KVH) * D + offs, v)
+    else:
+        if j < H:
+            base = Q + t * stride_q + j * D
+            wbase = QW
+        else:
+            base = K + t * stride_k + (j - H) * D
+            wbase = KW
+        x = tl.load(base + offs).to(tl.float32)
+        xp = tl.load(base + partner).to(tl.float32)
+        if NORM:  # Qwen3's per-head RMSNorm before RoPE (q_norm / k_norm)
+            r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+            w = tl.load(wbase + offs).to(tl.float32)
+            wp = tl.load(wbase + partner).to(tl.float32)
+            x = (w * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xp = (wp * (xp * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        pos = tl.load(POS + t)
+        c = tl.load(COS + pos * D + offs).to(tl.float32)
+        s = tl.load(SIN + pos * D + offs).to(tl.float32)
+        out = (x * c + sign * xp * s).to(dt)
+        if j < H:
+            tl.store(QOUT + t * stride_qo + j * D + offs, out)
+        else:
+            tl.store(KC + slot * stride_c + (j - H) * D + offs, out)
+
+
+def norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """From the projections ``q`` [T, H D], ``k`` and ``v`` [T, KVH D]: the normed, rotated queries
+    [T, H, D]; the normed, rotated keys and the values go into the pool at ``slots``.
+    ``cos``/``sin`` are the [positions, D] tables."""
+    tokens = q.shape[0]
+    kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
+    heads = q.shape[1] // dim
+    q_out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    norm = q_weight is not None
+    _norm_rope_store_kernel[(tokens, heads + 2 * kv_heads)](
+        q, k, v, q_weight if norm else q, k_weight if norm else q, cos, sin, positions, slots, q_out, k_cache,
+        v_cache, q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), k_cache.stride(0), eps,
+        H=heads, KVH=kv_heads, D=dim, NORM=norm, num_warps=1,
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G + offs, mask=mask, other=0.0)
+    u = tl.load(U + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    # torch's silu rounds to the dtype, then the product rounds again
+    act = (gf / (1.0 + tl.exp(-gf))).to(G.dtype.element_ty)
+    tl.store(Y + offs, (act.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](gate, up, y, n, BLOCK=1024, num_warps=4)
+    return y
