@@ -289,3 +289,28 @@ def test_engine_kinds_accept_exactly_their_models_fields() -> None:
         assert launcher._allowed_options() == set(model.model_fields)
     # The embedded kind takes the installed receivers' launch options too (disk-delta's delta_root).
     assert "delta_root" in options_model(load_component("engine", "embedded"), "embedded").model_fields
+
+
+def test_checking_the_default_recipes_options_imports_no_engine_receiver(tmp_path: Path) -> None:
+    """The embedded engine's model adds its receivers' options (importing them, and torch with p2p's);
+    keys the engine always has are checked without them, so `miles config validate` stays light."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from miles.config import load_recipe\n"
+        "from miles.config.options import check_component_options\n"
+        "check_component_options(load_recipe('default'))\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'fastapi', 'transformers'}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "[]", out.stderr
+    # A receiver's option is checked against the whole model.
+    recipe = _recipe(tmp_path, "engine:\n  options:\n    delta_root: 5\n")
+    assert _problems(recipe) == [
+        f"engine.options.delta_root ({recipe}:7): got 5; option 'delta_root' (str | None) of engine 'embedded' "
+        "must be a valid string"
+    ]

@@ -420,7 +420,12 @@ class _EmbeddedCapabilities:
 
 class _EmbeddedOptionsModel:
     """``EmbeddedLauncher.Options``: the engine's own options plus the launch options of the
-    installed engine receivers (e.g. disk-delta's ``delta_root``), computed from what is installed."""
+    installed engine receivers (e.g. disk-delta's ``delta_root``), computed from what is installed.
+
+    ``base`` is the part it always has: a recipe whose ``engine.options`` keys are all there is
+    checked against it alone (``miles.config.options``), without importing the receivers."""
+
+    base = EmbeddedOptions
 
     def __get__(self, instance: object, owner: type | None = None) -> type[BaseModel]:
         from miles.engines.embedded.receivers import installed_receivers
