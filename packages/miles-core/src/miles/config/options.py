@@ -130,6 +130,7 @@ def _key(dotted: str) -> KeyPath:
 
 def option_slots(config: MilesConfig) -> list[OptionSlot]:
     """Every options mapping ``config`` gives, with the components it configures (those the run uses)."""
+    from miles.capabilities import uses_session_server
     from miles.plugins import load_component
 
     def slot(path: str, values: Mapping[str, Any], *owners: tuple[str, str, str | None]) -> None:
@@ -184,7 +185,7 @@ def option_slots(config: MilesConfig) -> list[OptionSlot]:
     else:
         slot("algorithm.loss_options", alg.loss_options, ("algorithm.loss", "loss", alg.loss))
     ev = config.eval
-    if ev is not None:
+    if ev is not None and (ev.reward is not None or ev.reward_options):  # else it uses rollout.reward_options
         slot(
             "eval.reward_options",
             ev.reward_options,
@@ -201,7 +202,8 @@ def option_slots(config: MilesConfig) -> list[OptionSlot]:
     a = config.agentic
     if a is not None:
         slot("agentic.tools_options", a.tools_options, ("agentic.tools", "toolset", a.tools))
-        slot("agentic.agent_options", a.agent_options, ("agentic.agent", "agent", a.agent))
+        if uses_session_server(config):  # the agent runs only behind the session server
+            slot("agentic.agent_options", a.agent_options, ("agentic.agent", "agent", a.agent))
         slot("agentic.matcher_options", a.matcher_options, ("agentic.matcher", "session_matcher", a.matcher))
     return slots
 
