@@ -51,7 +51,17 @@ class DataSource(Protocol):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """Talks to one rollout engine over SGLang's native HTTP API (embedded engine or real SGLang)."""
+    """Talks to one rollout engine; an engine kind builds it (``EngineLauncher.client(url)``).
+
+    The built-in kinds' client speaks SGLang's native HTTP API (``miles.engines.client.SGLangClient``);
+    another kind brings its own, and every path that talks to engines uses it (rollout,
+    evaluation, served teachers, the session server). Beyond the methods below, paths use these
+    when the client has them: ``aclose()`` (close what it holds open), ``get_server_info()``
+    (``dp_size``: data-parallel ranks; one without it has one), ``tokenize(text)`` (the ids the
+    engine tokenizes a text into: a served teacher's tokenizer check needs it) and
+    ``update_weights_from_disk(path, weight_version=...)`` (a dedicated eval fleet, a restarted
+    engine's catch-up).
+    """
 
     url: str
 
