@@ -208,11 +208,12 @@ def test_load_checkpoint_rejects_a_directory_that_is_not_one(tiny_model, backend
 
 
 def test_unknown_components_and_transport_options_fail_in_the_driver(tiny_model):
-    from miles.errors import ComponentError
+    from miles.errors import ComponentError, ConfigError
     from miles_fsdp.backend import FSDPBackend
 
     with pytest.raises(ComponentError, match="no_such_loss"):
         FSDPBackend().setup(make_spec(tiny_model, 1, loss="no_such_loss"))
     spec = make_spec(tiny_model, 1, engine_urls=["http://127.0.0.1:9"], transport_options={"bucket_size": 3})
-    with pytest.raises(ComponentError, match="bucket_size"):
+    # A wrong option is a configuration error since component options are validated models.
+    with pytest.raises(ConfigError, match="bucket_size"):
         FSDPBackend().setup(spec)

@@ -115,3 +115,15 @@ def test_ppo_clipping_acts_only_with_several_steps(tiny_model, backend_factory):
     assert four["train/optimizer_steps"] == 4.0
     assert four["loss/approx_kl"] > 1e-4
     assert four["loss/clipfrac"] > 0.0
+
+
+def test_more_steps_than_samples_per_step_is_refused_when_the_recipe_loads():
+    from miles.config import load_recipe
+    from miles.errors import ConfigError
+
+    load_recipe("default", ["train.steps_per_rollout=4"])  # 8 prompts x 8 samples: fine
+    with pytest.raises(ConfigError, match="steps_per_rollout"):
+        load_recipe(
+            "default",
+            ["rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "train.steps_per_rollout=5"],
+        )

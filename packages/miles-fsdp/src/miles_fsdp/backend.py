@@ -132,6 +132,12 @@ class FSDPBackend:
         self._finalizer = weakref.finalize(self, ranks.kill)
         ranks.wait_ready(self.opts.startup_timeout_s)
         log.info("fsdp: %d rank(s) ready on %s (%s)", n, self.opts.device, launcher)
+        if self.opts.max_tokens_per_gpu is not None:
+            log.info(
+                "fsdp: packed micro-batches of at most %d tokens (train.micro_batch_size %d is not used)",
+                self.opts.max_tokens_per_gpu,
+                self.train_opts.micro_batch_size,
+            )
 
     # ------------------------------------------------------------------ steps
 
