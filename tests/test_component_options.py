@@ -124,6 +124,19 @@ def test_types_are_strict(tmp_path: Path) -> None:
     ]
 
 
+def test_a_value_matching_no_member_of_a_union_is_one_problem(tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path, "rollout:\n  reward: remote\n  reward_options:\n    url: http://h/\n")
+    assert _problems(recipe, "data.source=hf", "data.options={data_files: 5}") == [
+        "data.options.data_files (--set data.options={data_files: 5}): got 5; option 'data_files' "
+        "(str | list[str] | dict[str, Any] | None) of data_source 'hf' must be str | list[str] | dict[str, Any] | None"
+    ]
+    # Inside a mapping, the key is named.
+    assert _problems(recipe, "rollout.reward_options.headers={X-Token: 1}") == [
+        "rollout.reward_options.headers.X-Token (--set rollout.reward_options.headers={X-Token: 1}): got 1; "
+        "option 'headers' (dict[str, str] | None) of reward 'remote' must be a valid string"
+    ]
+
+
 def test_the_runs_preflight_refuses_bad_options_before_anything_heavy(tmp_path: Path) -> None:
     """The pre-flight checks options before it resolves the model (which would fail here too)."""
     from miles.driver.preflight import preflight

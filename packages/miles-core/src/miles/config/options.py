@@ -300,14 +300,24 @@ def _validate(
 def describe_option_errors(
     exc: ValidationError, model: type[BaseModel], component: str, prefix: KeyPath, locate: Locate
 ) -> list[str]:
-    """One sentence per error of validating ``component``'s options (at ``prefix``) against ``model``."""
-    problems: list[str] = []
+    """One sentence per error of validating ``component``'s options (at ``prefix``) against ``model``.
+
+    A value that matches no member of a union is one problem (pydantic reports one per member).
+    """
+    from miles.config.problems import user_path
+
+    grouped: dict[KeyPath, list[Any]] = {}
     for error in exc.errors(include_url=False):
-        loc = tuple(p for p in error["loc"] if isinstance(p, int | str))
+        loc, _ = user_path(model, tuple(error["loc"]))
+        grouped.setdefault(loc, []).append(error)
+    allowed = ", ".join(model.model_fields) or "no options"
+    problems: list[str] = []
+    for loc, errors in grouped.items():
+        error = errors[0]
         path = (*prefix, *loc)
         at = _at(locate(path))
         name = str(loc[0]) if loc else ""
-        allowed = ", ".join(model.model_fields) or "no options"
+        field = model.model_fields.get(name)
         kind = error["type"]
         if kind == "extra_forbidden":
             message = (
@@ -315,18 +325,22 @@ def describe_option_errors(
                 f"{_did_you_mean(name, list(model.model_fields))}; allowed: {allowed}"
             )
         elif kind == "missing":
-            field = model.model_fields.get(name)
             about = f" ({field.description})" if field is not None and field.description else ""
             message = f"missing key {_dotted(path)!r}{at}: {component} needs option {name!r}{about}"
         else:
-            reason = str(error["msg"]).removeprefix("Value error, ")
-            if reason.startswith("Input should be "):
-                reason = "must be " + reason.removeprefix("Input should be ")
-            field = model.model_fields.get(name)
             typed = f" ({type_text(field.annotation)})" if field is not None else ""
+            if len(errors) > 1:  # no member of a union took it
+                reason = (
+                    f"must be {type_text(field.annotation)}"
+                    if field is not None and len(loc) == 1
+                    else ("matches none of the allowed types")
+                )
+            else:
+                reason = str(error["msg"]).removeprefix("Value error, ")
+                if reason.startswith("Input should be "):
+                    reason = "must be " + reason.removeprefix("Input should be ")
             message = f"{_dotted(path)}{at}: got {_show(error.get('input'))}; option {name!r}{typed} of {component} {reason}"
-        if message not in problems:
-            problems.append(message)
+        problems.append(message)
     return problems
 
 

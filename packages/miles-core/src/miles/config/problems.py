@@ -28,6 +28,12 @@ def describe_errors(exc: ValidationError, model: type[BaseModel], locate: Locate
     return problems
 
 
+def user_path(root: type[BaseModel], loc: KeyPath) -> tuple[KeyPath, type[BaseModel] | None]:
+    """The key path a user wrote for pydantic's ``loc`` (union-member tags dropped), and the
+    model owning its last key."""
+    return _walk(root, loc)
+
+
 def _describe(error: Any, root: type[BaseModel], locate: Locate) -> str:
     path, owner = _walk(root, tuple(error["loc"]))
     key = ".".join(str(p) for p in path)
@@ -78,6 +84,7 @@ def _walk(root: type[BaseModel], loc: KeyPath) -> tuple[KeyPath, type[BaseModel]
     current: Any = root
     owner: type[BaseModel] | None = root
     for part in loc:
+        current = _unwrap_optional(current)  # ``X | None`` validates as X: no union tag in ``loc``
         model = _as_model(current)
         if model is not None:
             owner = model
@@ -89,6 +96,14 @@ def _walk(root: type[BaseModel], loc: KeyPath) -> tuple[KeyPath, type[BaseModel]
             current = _item_type(current, part)
         # else: a union tag such as 'str' or 'function-after[...]'; not part of the key
     return tuple(path), owner
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return annotation
 
 
 def _as_model(annotation: Any) -> type[BaseModel] | None:
