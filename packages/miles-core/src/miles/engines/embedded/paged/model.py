@@ -15,6 +15,10 @@ key and value are written to. Attention has two forms:
   everywhere, and for decode on the CPU. Plain torch.
 - ``paged``: one query token per row, the Triton kernel walking the block table
   (see ``triton_kernels``). Used for decode on CUDA; it is what the CUDA graphs replay.
+
+On CUDA the rest of a layer runs through fused Triton kernels (``_forward_fused``:
+residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU x up) on the same weight
+tensors; on the CPU through the HF modules' own forwards (``_forward_modules``).
 """
 
 from __future__ import annotations

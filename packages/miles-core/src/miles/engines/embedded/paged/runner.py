@@ -42,6 +42,7 @@ class SeqState:
     blocks: list[int] = field(default_factory=list)
     kv_len: int = 0  # tokens whose key and value are in the pool
     row: int = -1  # device table row; -1 when not running
+    filtered: bool = False  # top-k or top-p: sampled after the graph, by the sorting path
 
 
 @dataclass
@@ -107,6 +108,7 @@ class PagedRunner:
             return
         state.row = self._free_rows.pop()
         k = top_k if 0 < top_k < self.vocab_size else self.vocab_size
+        state.filtered = k < self.vocab_size or top_p < 1.0
         values = torch.tensor([temperature, top_p], dtype=torch.float32)
         self.temps[state.row] = values[0]
         self.top_p[state.row] = values[1]
@@ -223,12 +225,10 @@ class PagedRunner:
         """Feed each state's pending token (at position ``kv_len``, its slot allocated); sample."""
         self._flush_writes()
         n = len(states)
-        packed = [
-            last_tokens,
-            [s.kv_len for s in states],
-            [self._slot(s, s.kv_len) for s in states],
-            [s.row for s in states],
-        ]
+        bs = self.options.block_size
+        positions = [s.kv_len for s in states]
+        slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(states, positions, strict=True)]
+        packed = [last_tokens, positions, slots, [s.row for s in states]]
         for s in states:
             s.kv_len += 1
         if self.graphs is not None and self.graphs.fits(n):
@@ -240,7 +240,7 @@ class PagedRunner:
             return self._sample(logits, rows, pos, filtered=True)
         host = torch.tensor(packed, dtype=torch.long)
         dev = host.to(self.device)
-        ids, pos, slots, rows = dev[0], dev[1], dev[2], dev[3]
+        ids, pos, slot_t, rows = dev[0], dev[1], dev[2], dev[3]
         meta: GatherMeta | PagedMeta
         if self.device.type == "cuda":
             meta = PagedMeta(self.block_tables, rows.to(torch.int32), (pos + 1).to(torch.int32))
@@ -252,7 +252,7 @@ class PagedRunner:
                 self.options.block_size,
                 "cpu",
             )
-        logits = self.model.forward(StepInputs(ids, pos, slots, None, meta))
+        logits = self.model.forward(StepInputs(ids, pos, slot_t, None, meta))
         return self._sample(logits, rows, pos + 1, filtered=filtered)
 
     # ---------------------------------------------------------------- memory

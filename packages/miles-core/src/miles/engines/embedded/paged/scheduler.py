@@ -89,6 +89,7 @@ class PagedScheduler(Scheduler):
         self._states: dict[GenRequest, SeqState] = {}
         self._seeds = random.Random(seed)
         self.released = False
+        self._prefilling = 0  # running rows whose prompt is not all in the pool (a hint: 0 skips the scan)
         self.stats.update(
             {
                 "retractions": 0,
@@ -172,12 +173,23 @@ class PagedScheduler(Scheduler):
         return bool(row.output_ids) and state.kv_len == row.num_fed and row.finish is None
 
     def _decode(self) -> None:
-        rows = [r for r in self._running.rows if self._decoding(r)]
+        # The per-row work here runs every step for every row: it is kept to plain attribute
+        # reads (at batch 256 the host's share of a step is comparable to the GPU's).
+        states = self._states
+        slots_per_table = self.paged.options.block_size
+        rows: list[GenRequest] = []
+        grow: list[GenRequest] = []
+        for r in self._running.rows:
+            st = states[r]
+            if r.finish is None and r.output_ids and st.kv_len == len(r.prompt_ids) + len(r.output_ids) - 1:
+                rows.append(r)
+                if st.kv_len >= len(st.blocks) * slots_per_table:
+                    grow.append(r)
         retracted: set[GenRequest] = set()
-        for row in rows:
+        for row in grow:
             if row in retracted:
                 continue
-            state = self._states[row]
+            state = states[row]
             while not self.paged.grow(state, state.kv_len + 1):
                 victim = next((r for r in reversed(self._running.rows) if r is not row), None)
                 if victim is None:
@@ -189,17 +201,26 @@ class PagedScheduler(Scheduler):
                     break
                 self._retract(victim)
                 retracted.add(victim)
-        rows = [r for r in rows if r not in retracted and r.finish is None]
+        if retracted or grow:
+            rows = [r for r in rows if r not in retracted and r.finish is None]
         if not rows:
             return
-        vocab = self.paged.vocab_size
-        filtered = any(r.top_p < 1.0 or 0 < r.top_k < vocab for r in rows)
+        sts = [states[r] for r in rows]
+        filtered = any(st.filtered for st in sts)
         t0 = time.perf_counter()
-        out = self.paged.decode([self._states[r] for r in rows], [r.output_ids[-1] for r in rows], filtered)
+        out = self.paged.decode(sts, [r.output_ids[-1] for r in rows], filtered)
         self.stats["decode_s"] += time.perf_counter() - t0
+        version = self.version()
+        limit = min(self.runner.max_context, self.paged.max_context)
         for row, tok, lp in zip(rows, out.tokens, out.logprobs, strict=True):
-            self._append(row, tok, lp)
-        self._stamp_versions(rows)
+            row.output_ids.append(tok)
+            row.output_logprobs.append(lp)
+            row.output_versions.append(version)  # (a decode row's versions are complete before it)
+            n_out = len(row.output_ids)
+            if tok in row.stop_ids:
+                row.finish = {"type": "stop", "matched": tok}
+            elif n_out >= row.max_new_tokens or len(row.prompt_ids) + n_out >= limit:
+                row.finish = {"type": "length", "length": n_out}
         n = len(rows)
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += n
@@ -221,10 +242,11 @@ class PagedScheduler(Scheduler):
                 sampled.append(row)
             budget -= n
 
-        for row in self._running.rows:
-            state = self._states[row]
-            if state.kv_len < row.num_fed and budget > 0:
-                add(row, state)
+        if self._prefilling:
+            for row in self._running.rows:
+                state = self._states[row]
+                if state.kv_len < row.num_fed and budget > 0:
+                    add(row, state)
         scoring = self._admit_into(add, lambda: budget)
         if scoring:
             self._score(scoring)
@@ -234,6 +256,7 @@ class PagedScheduler(Scheduler):
         t0 = time.perf_counter()
         out = self.paged.prefill(chunks)
         self.stats["prefill_s"] += time.perf_counter() - t0
+        self._prefilling = sum(1 for r in self._running.rows if self._states[r].kv_len < r.num_fed)
         for row, tok, lp in zip(sampled, out.tokens, out.logprobs, strict=True):
             self._append(row, tok, lp)
         self._stamp_versions(sampled)
@@ -277,6 +300,7 @@ class PagedScheduler(Scheduler):
                 self._done(row)
                 continue
             self.paged.attach(state, row.temperature, row.top_p, row.top_k)
+            self._prefilling += 1
             add(row, state)
         return scoring
 
