@@ -271,7 +271,7 @@ def test_refusals_and_scoring(model_dir: Path, engine_tmp: Path) -> None:
         paged.stop()
         dynamic.stop()
     moe = make_tiny_qwen3(engine_tmp / "paged-moe", seed=0, moe=True)
-    with pytest.raises(ValueError, match="cannot run this model"):
+    with pytest.raises(ValueError, match="cannot be used here"):
         _paged(moe)
     fallback = _engine(moe, kv_cache="auto")
     try:
@@ -280,6 +280,8 @@ def test_refusals_and_scoring(model_dir: Path, engine_tmp: Path) -> None:
         fallback.stop()
     with pytest.raises(ValueError, match="kv_tokens"):
         _engine(model_dir, kv_cache="paged")
+    with pytest.raises(ValueError, match="asks for the prefix cache"):
+        _paged(model_dir, prefix_cache_tokens=1000)
 
 
 def test_memory_endpoints(model_dir: Path) -> None:

@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def cuda_pair(dense_dir: Path) -> Iterator[tuple[Served, Served]]:
-    on = Served(dense_dir, device="cuda", max_batch_size=16)
-    off = Served(dense_dir, device="cuda", max_batch_size=16, prefix_cache_tokens=0)
+    # The prefix cache is the DynamicCache path's (on CUDA, "auto" would pick the paged path).
+    on = Served(dense_dir, device="cuda", max_batch_size=16, kv_cache="dynamic")
+    off = Served(dense_dir, device="cuda", max_batch_size=16, prefix_cache_tokens=0, kv_cache="dynamic")
     yield on, off
     on.close()
     off.close()

@@ -28,6 +28,7 @@ log = logging.getLogger("miles.engines.embedded")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHES = ("auto", "paged", "dynamic")
+DEFAULT_PREFIX_CACHE_TOKENS = 65536
 
 
 @dataclass
@@ -46,7 +47,9 @@ class EngineOptions:
     receiver_options: dict[str, str | None] = field(default_factory=dict)
     update_timeout_s: float = 300.0  # a staged multi-bucket update with no bucket for this long is dropped
     # Most tokens the prefix cache keeps over all its entries (see prefix_cache); 0 disables it.
-    prefix_cache_tokens: int = 65536
+    # None: DEFAULT_PREFIX_CACHE_TOKENS on the DynamicCache path, none on the paged one (which has
+    # no prefix cache yet); a number > 0 asks for the cache, so "auto" then keeps the DynamicCache path.
+    prefix_cache_tokens: int | None = None
     # KV cache (docs/engine.md): "paged" (the fast path: paged pool, chunked prefill, CUDA graphs),
     # "dynamic" (a transformers DynamicCache per batch), "auto" (paged on CUDA for the models it
     # supports, dynamic otherwise).
@@ -93,7 +96,7 @@ class EmbeddedEngine:
     def __init__(self, options: EngineOptions) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if options.prefix_cache_tokens < 0:
+        if options.prefix_cache_tokens is not None and options.prefix_cache_tokens < 0:
             raise ValueError(
                 f"prefix_cache_tokens must be >= 0 (0 disables the cache), got {options.prefix_cache_tokens}"
             )
@@ -130,22 +133,25 @@ class EmbeddedEngine:
         )
         self.runner = runner
         mergeable = cache_is_mergeable(model)
+        self.paged = self._paged_runner(model) if self._wants_paged(model) else None
+        prefix_tokens = options.prefix_cache_tokens
+        if prefix_tokens is None:
+            prefix_tokens = 0 if self.paged is not None else DEFAULT_PREFIX_CACHE_TOKENS
         prefix_cache = None
-        if options.prefix_cache_tokens > 0 and mergeable:
-            prefix_cache = PrefixCache(options.prefix_cache_tokens)
-        elif options.prefix_cache_tokens > 0:
+        if self.paged is not None:
+            pass  # the paged path has no prefix cache (an explicit request for one was refused above)
+        elif prefix_tokens > 0 and mergeable:
+            prefix_cache = PrefixCache(prefix_tokens)
+        elif prefix_tokens > 0:
             log.warning(
                 "no prefix cache: %s has cache layers other than DynamicLayer (sliding windows, linear "
                 "attention), whose rows cannot be cut out of a batch",
                 type(model).__name__,
             )
-        self.paged = self._paged_runner(model) if self._wants_paged(model) else None
         self.scheduler: Scheduler
         if self.paged is not None:
             from miles.engines.embedded.paged.scheduler import PagedScheduler
 
-            if options.prefix_cache_tokens > 0:
-                log.info("the paged KV cache has no prefix cache yet: prefix_cache_tokens is not used")
             self.scheduler = PagedScheduler(
                 self.paged,
                 runner,
@@ -195,6 +201,8 @@ class EmbeddedEngine:
                 f"(>= 0), block_size {o.block_size} (>= 1), mem_fraction {o.mem_fraction} (in (0, 1))"
             )
         reason = unsupported_reason(model)
+        if reason is None and (o.prefix_cache_tokens or 0) > 0:
+            reason = f"prefix_cache_tokens {o.prefix_cache_tokens} asks for the prefix cache, which it lacks"
         if reason is None and self.device.type == "cuda":
             try:
                 import triton  # type: ignore[import-untyped]  # noqa: F401  (the paged decode kernel)
@@ -202,7 +210,7 @@ class EmbeddedEngine:
                 reason = "triton is not installed (the paged decode kernel needs it on CUDA)"
         if reason is not None:
             if choice == "paged":
-                raise ValueError(f"kv_cache 'paged' cannot run this model: {reason}; use 'dynamic' or 'auto'")
+                raise ValueError(f"kv_cache 'paged' cannot be used here: {reason}; use 'dynamic' or 'auto'")
             log.info("KV cache: DynamicCache path (%s)", reason)
             return False
         if self.device.type != "cuda" and self.options.kv_tokens <= 0:

@@ -640,9 +640,11 @@ def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentPar
     p.add_argument(
         "--prefix-cache-tokens",
         type=int,
-        default=65536,
+        default=None,
         help="most tokens of finished requests' KV kept for reuse by later requests with the same prefix "
-        "(a session's next turn); 0 disables the prefix cache",
+        "(a session's next turn); 0 disables the prefix cache; unset: 65536 on the DynamicCache path, none on "
+        "the paged path; set > 0, it keeps --kv-cache auto on the DynamicCache path (the paged one has no "
+        "prefix cache yet)",
     )
     p.add_argument(
         "--kv-cache",
@@ -722,7 +724,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"miles embedded engine: --update-timeout-s must be > 0, got {args.update_timeout_s}"
         )
-    if args.prefix_cache_tokens < 0:
+    if args.prefix_cache_tokens is not None and args.prefix_cache_tokens < 0:
         raise SystemExit(
             f"miles embedded engine: --prefix-cache-tokens must be >= 0 (0 disables), got {args.prefix_cache_tokens}"
         )
