@@ -54,7 +54,10 @@ class EngineOptions:
     # "dynamic" (a transformers DynamicCache per batch), "auto" (paged on CUDA for the models it
     # supports, dynamic otherwise).
     kv_cache: str = "auto"
-    mem_fraction: float = 0.85  # paged, CUDA: share of the GPU memory free after loading kept for KV
+    # paged, CUDA: share of the GPU memory free after loading that the KV pool takes. The default
+    # leaves most of the GPU to a colocated trainer (the launcher does not pass this option yet); a
+    # dedicated engine can take 0.85.
+    mem_fraction: float = 0.3
     kv_tokens: int = 0  # paged: a pool of exactly this many token slots (needed on the CPU)
     chunk_tokens: int = 0  # paged: most prompt tokens one step prefills (0: 8192 on CUDA, 512 on CPU)
     cuda_graphs: bool = True  # paged, CUDA: replay the decode step from CUDA graphs

@@ -656,8 +656,9 @@ def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentPar
     p.add_argument(
         "--mem-fraction",
         type=float,
-        default=0.85,
-        help="paged, CUDA: share of the GPU memory free after the model is loaded that the KV pool takes",
+        default=0.3,
+        help="paged, CUDA: share of the GPU memory free after the model is loaded that the KV pool takes (the "
+        "default leaves room for a colocated trainer; a dedicated engine can take 0.85)",
     )
     p.add_argument(
         "--kv-tokens",

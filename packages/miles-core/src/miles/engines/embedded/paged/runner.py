@@ -27,7 +27,7 @@ log = logging.getLogger("miles.engines.embedded")
 @dataclass
 class PagedOptions:
     block_size: int = 16
-    mem_fraction: float = 0.85  # of the GPU memory free after the model is loaded
+    mem_fraction: float = 0.3  # of the GPU memory free after the model is loaded
     kv_tokens: int = 0  # > 0: a pool of this many token slots (required on the CPU)
     chunk_tokens: int = 8192  # most prefill tokens one step feeds (chunked prefill)
     cuda_graphs: bool = True
