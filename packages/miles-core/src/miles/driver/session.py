@@ -81,7 +81,8 @@ class ConversationStage:
         self.stage = stage
 
     def next_batch(self, step: int) -> StepBatch:
-        batch, metrics = self.stage.next_batch(step)
+        with timed("data"):  # reading and tokenizing the conversations
+            batch, metrics = self.stage.next_batch(step)
         prompts = [] if batch is None else [s.prompt.index for s in batch.samples]
         return StepBatch(batch, metrics, prompts)
 

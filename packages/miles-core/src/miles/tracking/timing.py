@@ -29,6 +29,7 @@ _CLOCK: contextvars.ContextVar[StepClock | None] = contextvars.ContextVar("miles
 
 # Phases in the order a step runs them (the table keeps this order; unknown phases follow).
 PHASE_ORDER = (
+    "data",
     "offload",
     "rollout",
     "onload",
