@@ -4,6 +4,7 @@ DynamicCache engine on a tiny Qwen3 (chunked prefill, preemption, pause, memory 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -334,4 +335,92 @@ def test_qwen2_paged_equals_dynamic(engine_tmp: Path) -> None:
             assert y.output_logprobs == pytest.approx(x.output_logprobs, abs=1e-5)
     finally:
         dynamic.stop()
+        paged.stop()
+
+
+def test_allocator_random_ops_never_leak() -> None:
+    import random
+
+    rng = random.Random(0)
+    a = BlockAllocator(33, 4)
+    held: list[list[int]] = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.45 and a.num_free:
+            held.append(a.allocate(rng.randint(1, a.num_free)))
+        elif op < 0.6 and held:
+            shared = rng.choice(held)[:2]
+            a.share(shared)
+            held.append(shared)
+        elif held:
+            a.release(held.pop(rng.randrange(len(held))))
+        a.check()
+        assert a.num_free + len({b for h in held for b in h}) == 32
+    for h in held:
+        a.release(h)
+    assert a.num_free == 32
+
+
+def test_fifo_step_lock_lets_a_waiter_in_after_one_step() -> None:
+    from miles.engines.embedded.scheduler import FifoLock
+
+    lock = FifoLock()
+    steps = 0
+    stop = threading.Event()
+
+    def loop() -> None:  # the scheduler: retakes the lock right after every step
+        nonlocal steps
+        while not stop.is_set():
+            with lock:
+                steps += 1
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    while steps < 10:
+        time.sleep(0.0005)
+    before = steps
+    with lock:  # a weight update
+        waited = steps - before
+    stop.set()
+    worker.join()
+    assert waited <= 2
+
+
+def test_weight_update_and_abort_between_paged_steps(model_dir: Path, engine_tmp: Path) -> None:
+    paged = _paged(model_dir)
+    other = load_local(make_tiny_qwen3(engine_tmp / "paged-seed8", seed=8))
+    tensors = {k: v.detach().contiguous() for k, v in other.named_parameters()}
+    try:
+        results: list[Any] = []
+        worker = threading.Thread(
+            target=lambda: results.extend(_generate(paged, [PROMPTS[1]], max_new_tokens=300))
+        )
+        worker.start()
+        while paged.scheduler.stats["decode_steps"] < 5:
+            time.sleep(0.0005)
+        paged.weights.update(lambda: tensors, "3")
+        worker.join(timeout=120)
+        [r] = results
+        assert r.output_versions[0] == 0 and r.output_versions[-1] == 3
+        assert sorted(r.output_versions) == r.output_versions
+        # A fresh request runs on the new weights (the runner reads the model's own tensors).
+        [fresh] = _generate(paged, [PROMPTS[0]])
+        assert fresh.output_logprobs == pytest.approx(
+            full_forward_logprobs(other, PROMPTS[0], fresh.output_ids, 0.0), abs=1e-5
+        )
+        # Aborting a running request gives its blocks back.
+        done = threading.Event()
+        req = paged.make_request(
+            input_ids=PROMPTS[3], rid="long", max_new_tokens=400, temperature=0.0, top_p=1.0, top_k=-1,
+            stop_token_ids=[], seed=None, ignore_eos=True, return_logprob=True, return_routed_experts=False,
+        )  # fmt: skip
+        req.on_done = lambda r: done.set()
+        paged.scheduler.submit(req)
+        while not req.output_ids:
+            time.sleep(0.0005)
+        assert paged.scheduler.abort("long") == 1
+        assert done.wait(30) and req.finish is not None and req.finish["type"] == "abort"
+        alloc = paged.paged.allocator
+        assert alloc.num_free == alloc.num_blocks - 1
+    finally:
         paged.stop()
