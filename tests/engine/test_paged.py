@@ -302,6 +302,9 @@ def test_memory_endpoints(model_dir: Path) -> None:
         bad = client.post("/release_memory_occupation", json={"tags": ["weights"]})
         assert bad.status_code == 400 and "KV cache only" in bad.json()["message"]
         assert client.post("/resume_memory_occupation", json={}).status_code == 200
+        free = paged.paged.allocator.num_free
+        assert client.post("/resume_memory_occupation").status_code == 200  # a second resume changes nothing
+        assert paged.paged.allocator.num_free == free
         out = client.post(
             "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}}
         )

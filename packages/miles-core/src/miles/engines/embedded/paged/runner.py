@@ -266,6 +266,8 @@ class PagedRunner:
         return self.pool.release()
 
     def resume_memory(self) -> None:
+        if self.pool.allocated:
+            return  # not released: the blocks in use must keep their accounting
         self.pool.resume()
         self.allocator.reset()
         self.model.pool = self.pool
