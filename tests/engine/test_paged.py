@@ -427,3 +427,18 @@ def test_weight_update_and_abort_between_paged_steps(model_dir: Path, engine_tmp
         assert alloc.num_free == alloc.num_blocks - 1
     finally:
         paged.stop()
+
+
+def test_triton_kernels_interpreted_on_cpu() -> None:
+    """The CUDA path's Triton kernels, run by Triton's interpreter on the CPU (a subprocess: the
+    interpreter is chosen when triton is first imported)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("paged_kernels_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(": ok") == 5, done.stdout
