@@ -66,6 +66,10 @@ def test_default_recipe_trains_writes_metrics_tensorboard_and_hf_checkpoint(smal
     assert rec.versions == {0: {0}, 1: {1}, 2: {2}}
     tb = os.path.join(result.run_dir, "tensorboard")
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+    # the learning curves (matplotlib is a dev dependency, so tracking.plot's default draws them)
+    with open(os.path.join(result.run_dir, "reward_curve.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.isfile(os.path.join(result.run_dir, "time_breakdown.txt"))
     final = result.final_dir
     assert final and os.path.exists(os.path.join(final, "config.json"))
     assert any(n.endswith(".safetensors") for n in os.listdir(final))

@@ -31,7 +31,8 @@ from miles.driver.interrupts import StopRequest, stopped_by_signal
 from miles.driver.session import Session
 from miles.driver.start import start_run
 from miles.plugins import get_plugin_manager
-from miles.tracking.timing import TimeBreakdown, step_clock
+from miles.tracking.summaries import write_run_summaries
+from miles.tracking.timing import step_clock
 
 
 @dataclass
@@ -79,7 +80,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
             raise
         finally:
             run.end()
-            _write_breakdown(start.run.sub("metrics.jsonl"), start.run.sub("time_breakdown.txt"))
+            write_run_summaries(config, start.run.path)  # the time table and the learning curves
     if run.status == "interrupted" and stop.signum is not None:
         raise stopped_by_signal(stop.signum, state.step, config.run.num_steps, run.checkpoint)
     return RunResult(
@@ -91,12 +92,3 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         seconds=time.perf_counter() - t_start,
     )
 
-
-def _write_breakdown(metrics_path: str, out_path: str) -> None:
-    """The run's time table as text beside its metrics (the console prints it too, when on)."""
-    if not os.path.isfile(metrics_path):
-        return
-    breakdown = TimeBreakdown.from_jsonl(metrics_path)
-    if breakdown.steps:
-        with open(out_path, "w", encoding="utf-8") as f:
-            f.write(breakdown.text() + "\n")

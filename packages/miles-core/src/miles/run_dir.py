@@ -44,6 +44,8 @@ LAYOUT = (
     "config.yaml",
     "config_history",
     "metrics.jsonl",
+    "time_breakdown.txt",
+    "reward_curve.png",
     TRAINED_PROMPTS,
     "tensorboard",
     "engines",

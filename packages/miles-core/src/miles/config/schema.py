@@ -447,6 +447,11 @@ class TrackingSection(Section):
     tensorboard: bool = True
     console: bool = True
     log_samples: int = Field(1, ge=0, description="example completions printed per step")
+    plot: bool | None = Field(
+        None,
+        description="draw reward_curve.png in the run directory when the run ends: true (matplotlib "
+        "required, checked before the run starts), false (off), null (when matplotlib is installed)",
+    )
 
 
 class MilesConfig(Section):

@@ -171,7 +171,7 @@ class Session:
             return
         assert self.fleet is not None
         # Sessions stick to one data-parallel rank of an engine that has several.
-        dp_sizes = fleet_dp_sizes(engine_urls) if components.agentic is not None else None
+        dp_sizes = fleet_dp_sizes(engine_urls, self.config) if components.agentic is not None else None
         ctx = _rollout_context(config, start.model_path, engines, components, self.console, dp_sizes)
         ctx.agentic = stack.enter_context(
             session_server(config, components.agentic, engine_urls, ctx.tokenizer, ctx.sampling, dp_sizes)

@@ -1,0 +1,106 @@
+"""The run's learning curves as one PNG beside its metrics (``reward_curve.png``).
+
+Drawn from ``metrics.jsonl`` when the run ends: the mean rollout reward per step, the fraction of
+samples with full reward (for an exact-answer task: the exact answers at the sampling
+temperature), and every evaluation's pass rate when the recipe evaluates. matplotlib is imported
+here only (it is slow to import and not every install has it): ``tracking.plot`` decides whether a
+missing matplotlib is an error (``true``) or one log line (``null``, the default).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger("miles.tracking")
+
+CURVES_FILE = "reward_curve.png"
+
+# Metric name -> the legend's words. Only the ones a run logged are drawn.
+STEP_SERIES = {
+    "rollout/reward_mean": "mean reward (rollout)",
+    "rollout/full_reward_frac": "full-reward fraction (rollout)",
+}
+EVAL_SUFFIX = "/pass_rate"  # eval/<name>/pass_rate, one point per evaluation
+
+
+@dataclass
+class Curves:
+    """Series read from a metrics file: name -> (steps, values)."""
+
+    series: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[dict[str, object]]) -> Curves:
+        curves = cls()
+        for row in rows:
+            step = row.get("step")
+            if not isinstance(step, int):
+                continue
+            for name, value in row.items():
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    continue
+                if name in STEP_SERIES or (name.startswith("eval/") and name.endswith(EVAL_SUFFIX)):
+                    steps, values = curves.series.setdefault(name, ([], []))
+                    steps.append(step)
+                    values.append(float(value))
+        return curves
+
+    @classmethod
+    def from_jsonl(cls, path: str) -> Curves:
+        rows: list[dict[str, object]] = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    rows.append(json.loads(line))
+        return cls.from_rows(rows)
+
+    def names(self) -> Sequence[str]:
+        return sorted(self.series)
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_curves(metrics_path: str, out_path: str, *, title: str) -> bool:
+    """Draw the run's curves into ``out_path``; False when there was nothing to draw."""
+    if not os.path.isfile(metrics_path):
+        return False
+    curves = Curves.from_jsonl(metrics_path)
+    if not curves.series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, never need a display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    try:
+        for name in curves.names():
+            steps, values = curves.series[name]
+            label = (
+                STEP_SERIES.get(name) or f"pass rate ({name.removeprefix('eval/').removesuffix(EVAL_SUFFIX)})"
+            )
+            style = "o-" if name.startswith("eval/") else "-"
+            ax.plot(steps, values, style, label=label, markersize=3, linewidth=1.4)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("reward / fraction")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        tmp = out_path + ".tmp"
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, out_path)  # a reader never sees half a file
+    finally:
+        plt.close(fig)
+    return True
