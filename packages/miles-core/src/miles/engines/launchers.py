@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal
 
 import httpx
 from pydantic import BaseModel, Field, create_model
@@ -73,6 +73,28 @@ class EmbeddedOptions(_EngineOptions):
     log_level: str | None = Field(None, description="the engine's log level (DEBUG, INFO, ...)")
     prefix_cache_tokens: int | None = Field(
         None, description="KV tokens kept across requests for prefix reuse (0: off)"
+    )
+    kv_cache: Literal["auto", "paged", "dynamic"] | None = Field(
+        None,
+        description="paged: the fast GPU path (paged KV pool, chunked prefill, CUDA graphs; Qwen2/Qwen3 dense); "
+        "dynamic: a DynamicCache per batch; auto (default): paged on CUDA where the model allows (docs/engine.md)",
+    )
+    mem_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="paged, CUDA: share of free GPU memory the KV pool takes (default 0.3)",
+    )
+    kv_tokens: int | None = Field(
+        None, ge=0, description="paged: KV pool size in token slots (needed on CPU)"
+    )
+    chunk_tokens: int | None = Field(
+        None, ge=0, description="paged: most prompt tokens one step prefills (0: 8192 on CUDA, 512 on CPU)"
+    )
+    block_size: int | None = Field(None, gt=0, description="paged: tokens per KV block (default 16)")
+    cuda_graphs: bool | None = Field(
+        None,
+        description="paged: capture the decode step in CUDA graphs (default true; false runs it eagerly)",
     )
 
 
@@ -466,12 +488,32 @@ class EmbeddedLauncher(_ProcessLauncher):
     capabilities = _EmbeddedCapabilities()
     Options = _EmbeddedOptionsModel()  # engine.options
     launch_only_options = frozenset(
-        {"seed", "env", "weight_version", "prefix_cache_tokens", "update_timeout_s", "log_level"}
+        {
+            "seed",
+            "env",
+            "weight_version",
+            "prefix_cache_tokens",
+            "update_timeout_s",
+            "log_level",
+            "kv_cache",
+            "mem_fraction",
+            "kv_tokens",
+            "chunk_tokens",
+            "block_size",
+            "cuda_graphs",
+        }
     )
     launch_flags_hint = "start it with the matching `python -m miles.engines.embedded` flags (seed: --seed)"
 
     def _allowed_options(self) -> set[str]:
         return set(self.Options.model_fields)
+
+    def _check_options(self, specs: Sequence[EngineSpec]) -> None:
+        # The engine's own options are known without importing the receivers (which import torch:
+        # seconds); only a key outside them needs the receivers' options to be told apart from a typo.
+        if all(set(spec.options) <= set(EmbeddedOptions.model_fields) for spec in specs):
+            return
+        super()._check_options(specs)
 
     def command(self, spec: EngineSpec, port: int) -> list[str]:
         o = spec.options
@@ -499,6 +541,11 @@ class EmbeddedLauncher(_ProcessLauncher):
             "update_timeout_s": "--update-timeout-s",
             "log_level": "--log-level",
             "prefix_cache_tokens": "--prefix-cache-tokens",
+            "kv_cache": "--kv-cache",
+            "mem_fraction": "--mem-fraction",
+            "kv_tokens": "--kv-tokens",
+            "chunk_tokens": "--chunk-tokens",
+            "block_size": "--block-size",
         }
         from miles.engines.embedded.receivers import installed_receivers
 
@@ -507,6 +554,8 @@ class EmbeddedLauncher(_ProcessLauncher):
         for key, flag in flags.items():
             if o.get(key) is not None:
                 argv += [flag, str(o[key])]
+        if o.get("cuda_graphs") is False:
+            argv.append("--no-cuda-graphs")
         return argv
 
     def _start(self, specs: list[EngineSpec], log_dir: str, timeout: float) -> list[str]:
