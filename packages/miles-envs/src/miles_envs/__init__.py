@@ -1,1 +1,1 @@
-"""Placeholder package: nothing is implemented yet (see README.md)."""
+"""Miles' agentic package. Today: sandboxes (:mod:`miles_envs.sandbox`); see README.md for what is coming."""
