@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -234,7 +236,7 @@ def test_close_kills_running_commands(provider: LocalProvider) -> None:
         assert len(pids_of(sb.id)) == 4  # unshare, the shell (PID 1), two sleeps
         await sb.close()
         result = await asyncio.wait_for(task, 3)
-        assert result.reason is ExecReason.KILLED or result.exit_code != 0
+        assert result.reason is ExecReason.KILLED and result.exit_code is None
         assert pids_of(sb.id) == []
         assert not sb.root.exists()
         assert not (await sb.health()).alive
@@ -267,3 +269,34 @@ def test_no_isolation_is_refused_unless_asked_for(tmp_path: Path, monkeypatch: p
     for isolation in ("auto", "namespaces"):
         with pytest.raises(IsolationUnavailableError, match="isolation: none"):
             LocalProvider(isolation=isolation, base_dir=str(tmp_path))  # type: ignore[arg-type]
+
+
+_CRASHING_HOST = """
+import asyncio, sys
+from miles_envs.sandbox import SandboxSpec
+from miles_envs.sandbox.local import LocalProvider
+
+async def main():
+    sb = await LocalProvider(isolation="namespaces").create(SandboxSpec())
+    print(sb.id, flush=True)
+    await sb.exec("sleep 60 & sleep 60", timeout_s=0.5)
+
+asyncio.run(main())
+"""
+
+
+def test_commands_die_even_when_miles_is_killed_mid_exec(provider: LocalProvider) -> None:
+    """Nobody is left to enforce the wall clock: the backstop (coreutils timeout) must."""
+    host = subprocess.Popen([sys.executable, "-c", _CRASHING_HOST], stdout=subprocess.PIPE, text=True)
+    assert host.stdout is not None
+    sandbox_id = host.stdout.readline().strip()
+    deadline = time.monotonic() + 5
+    while len(pids_of(sandbox_id)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pids_of(sandbox_id), "the command never started"
+    host.kill()
+    host.wait()
+    deadline = time.monotonic() + 0.5 + 2.0 + 3.0  # wall, backstop grace, slack for a loaded machine
+    while pids_of(sandbox_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids_of(sandbox_id) == []

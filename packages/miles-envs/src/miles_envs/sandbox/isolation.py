@@ -55,7 +55,8 @@ trap - EXIT
 exec "$@"
 """
 
-_TOOLS = ("unshare", "setpriv", "prlimit", "mount", "pivot_root")
+_TOOLS = ("unshare", "setpriv", "prlimit", "mount", "pivot_root", "timeout")
+BACKSTOP_GRACE_S = 2.0
 NAMESPACES = ("user", "net", "pid", "mount", "ipc", "uts")
 
 
@@ -68,14 +69,23 @@ class Launcher:
     host_uid: int | None  # the unprivileged uid commands run as when the provider is root
 
     def argv(
-        self, command: str, sandbox_dir: Path, mount_point: Path, limits: SandboxLimits, nonce: str = "probe"
+        self,
+        command: str,
+        sandbox_dir: Path,
+        mount_point: Path,
+        limits: SandboxLimits,
+        nonce: str = "probe",
+        wall_s: float | None = None,
     ) -> list[str]:
         inner = [*rlimit_argv(limits), "--", *_drop_privileges(), "/bin/sh", "-c", command]
+        # A backstop for when miles itself dies mid-exec (nobody left to enforce the wall clock):
+        # coreutils timeout kills its process group a little after the wall clock.
+        backstop = ["timeout", "--signal=KILL", f"{(wall_s or limits.wall_s) + BACKSTOP_GRACE_S:.3f}"]
         if self.kind == "none":
-            return inner
-        outer: list[str] = []
+            return [*backstop, *inner]
+        outer: list[str] = [*backstop]
         if self.host_uid is not None:
-            outer = [
+            outer += [
                 "setpriv",
                 f"--reuid={self.host_uid}",
                 f"--regid={self.host_uid}",
@@ -153,10 +163,10 @@ def detect(requested: str, workdir: str, sandbox_uid: int) -> tuple[Launcher, Is
     untrusted commands unisolated must be asked for by name (``none``).
     """
     if requested == "none":
-        missing = [t for t in ("prlimit", "setpriv") if shutil.which(t) is None]
+        missing = [t for t in ("prlimit", "setpriv", "timeout") if shutil.which(t) is None]
         if missing:
             raise IsolationUnavailableError(
-                f"isolation 'none' still needs {', '.join(missing)} (util-linux) on PATH"
+                f"isolation 'none' still needs {', '.join(missing)} (util-linux, coreutils) on PATH"
             )
         launcher = Launcher("none", workdir, None)
         return launcher, IsolationReport(
@@ -172,7 +182,7 @@ def detect(requested: str, workdir: str, sandbox_uid: int) -> tuple[Launcher, Is
     missing = [t for t in _TOOLS if shutil.which(t) is None]
     if missing:
         raise IsolationUnavailableError(
-            f"sandbox isolation with Linux namespaces needs {', '.join(missing)} (util-linux) on PATH; "
+            f"sandbox isolation with Linux namespaces needs {', '.join(missing)} (util-linux, coreutils) on PATH; "
             "install util-linux, or set isolation: none to run commands unisolated"
         )
     host_uid = sandbox_uid if os.geteuid() == 0 else None

@@ -202,7 +202,7 @@ class LocalSandbox:
             raise SandboxError(f"exec timeout_s must be positive, got {timeout_s!r}")
         marker = f"{self._id}-{uuid.uuid4().hex[:8]}"
         nonce = uuid.uuid4().hex
-        argv = self._launcher.argv(command, self.root, self._mnt, limits, nonce)
+        argv = self._launcher.argv(command, self.root, self._mnt, limits, nonce, wall)
         started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *argv,
