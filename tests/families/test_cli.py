@@ -35,7 +35,7 @@ def test_check_family_table() -> None:
     lines = output.splitlines()
     assert lines[0].startswith("family qwen2.5: ") and "(verified)" in lines[1]
     assert any(line.split()[:3] == ["tool-chain/system", "PASS", "5"] for line in lines)
-    assert lines[-1].strip() == "PASS: 12 passed, 0 failed, 0 skipped"
+    assert lines[-1].strip() == "PASS: 14 passed, 0 failed, 0 skipped"
 
 
 def test_check_family_json_and_variants() -> None:
@@ -44,7 +44,7 @@ def test_check_family_json_and_variants() -> None:
     reports = json.loads(output)
     assert [r["ok"] for r in reports] == [True, True, True]
     assert reports[1]["tokenizer"].endswith("glm-5.1/chat_template.jinja")
-    assert reports[0]["counts"] == {"pass": 20, "fail": 0, "skip": 4}
+    assert reports[0]["counts"] == {"pass": 24, "fail": 0, "skip": 4}
     case = reports[0]["cases"][0]
     assert case["case"] == "plain/think/system" and case["status"] == "pass" and case["turns"] == 3
 

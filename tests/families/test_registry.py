@@ -37,6 +37,7 @@ def test_builtin_names() -> None:
         "glm-5",
         "kimi-k2.6",
         "minimax-m2",
+        "minimax-m3",
         "nemotron-3",
         "qwen2.5",
         "qwen3",

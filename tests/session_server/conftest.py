@@ -73,7 +73,9 @@ def engine_url(qwen3, tmp_path_factory) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def session_server(qwen3, engine_url: str, *, mode: str = "linear", max_new_tokens: int = 8):
+def session_server(
+    qwen3, engine_url: str, *, mode: str = "linear", max_new_tokens: int = 8, chat_template_kwargs=None
+):
     from miles.engines.client import SGLangClient
     from miles.session_server.app import ServerState
     from miles.session_server.serve import serve
@@ -88,6 +90,7 @@ def session_server(qwen3, engine_url: str, *, mode: str = "linear", max_new_toke
         tokenizer=tokenizer,
         engines=[engine],
         sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0),
+        chat_template_kwargs=chat_template_kwargs or {},
     )
     with serve(state) as url:
         yield url, state

@@ -19,6 +19,7 @@ from session_server.conftest import session_server
 jsonschema = pytest.importorskip("jsonschema")
 
 CHAT = "/sessions/{session_id}/v1/chat/completions"
+TRAJECTORY = "/sessions/{session_id}/trajectory"
 HELLO = [{"role": "user", "content": "Say hi."}]
 
 
@@ -45,6 +46,7 @@ def test_the_schema_lists_every_status_each_route_answers(qwen3, engine_url):
         ("/sessions", "post"): ["201", "409"],
         ("/sessions/{session_id}", "get"): ["200", "404", "422"],
         ("/sessions/{session_id}", "delete"): ["200", "404", "422"],
+        (TRAJECTORY, "get"): ["200", "404", "422"],
         (CHAT, "post"): ["200", "400", "404", "409", "410", "422", "502"],
     }
 
@@ -74,6 +76,11 @@ def test_every_error_the_server_answers_is_documented_with_its_body(qwen3, engin
         )
         assert bad_message.status_code == 422 and bad_message.json()["error"]["type"] == "bad_message"
         assert check(CHAT, "post", httpx.post(chat, json={"messages": HELLO, "n": 2})).status_code == 422
+        foreign = {"messages": history, "chat_template_kwargs": {"thinking_mode": "disabled"}}
+        wrong_switch = check(CHAT, "post", httpx.post(chat, json=foreign))
+        assert wrong_switch.status_code == 400
+        assert wrong_switch.json()["error"]["type"] == "invalid_chat_template_kwargs"
+        assert check(TRAJECTORY, "get", httpx.get(f"{url}/sessions/{sid}/trajectory")).status_code == 200
         assert (
             check("/sessions/{session_id}", "get", httpx.get(f"{url}/sessions/{'x' * 129}")).status_code
             == 422
@@ -90,6 +97,7 @@ def test_every_error_the_server_answers_is_documented_with_its_body(qwen3, engin
         for method in ("get", "delete"):
             gone = httpx.request(method.upper(), f"{url}/sessions/{sid}")
             assert check("/sessions/{session_id}", method, gone).status_code == 404
+        assert check(TRAJECTORY, "get", httpx.get(f"{url}/sessions/{sid}/trajectory")).status_code == 404
         assert check(CHAT, "post", httpx.post(chat, json={"messages": HELLO})).status_code == 404
     # An engine that cannot be reached is a 502 with the same error body.
     with session_server(qwen3, f"http://127.0.0.1:{free_port()}") as (url, _):

@@ -224,6 +224,9 @@ class AgenticContext:
     agent_timeout_s: float | None = None  # an agent running longer is cancelled; its episode fails
     max_turns: int = 8
     max_seq_len: int | None = None  # prompt + response tokens per trajectory; beyond it: truncated
+    # the family's thinking switch for every turn (agentic.chat_template_kwargs; None: the template's default)
+    enable_thinking: bool | str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the recipe's, for the server
     server: Any = None  # the running session server (miles.session_server.SessionService), agentic only
 
 

@@ -391,6 +391,12 @@ class AgenticSection(Section):
     )
     server_host: str = Field("127.0.0.1", description="session server address (agentic)")
     server_port: int = Field(0, ge=0, le=65535, description="session server port; 0 picks a free one")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the run's default thinking switch, as the family's template names it (e.g. "
+        "{enable_thinking: false}); a request's chat_template_kwargs override it per key; a key the "
+        "family's template does not take is refused",
+    )
 
     @field_validator("family")
     @classmethod
@@ -403,6 +409,17 @@ class AgenticSection(Section):
             return check_family_name(name)
         except FamilyError as exc:
             raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _template_kwargs_of_family(self) -> AgenticSection:
+        from miles.families.base import FamilyError
+        from miles.families.registry import get_family
+
+        try:
+            get_family(self.family).request_thinking(self.chat_template_kwargs)
+        except FamilyError as exc:
+            raise ValueError(f"chat_template_kwargs: {exc}") from None
+        return self
 
 
 class EvalSection(Section):

@@ -21,8 +21,9 @@ def resolve_agentic(config: MilesConfig) -> AgenticContext | None:
     from miles.families import get_family
     from miles.sessions import resolve_matcher
 
+    family = get_family(a.family)
     return AgenticContext(
-        family=get_family(a.family),
+        family=family,
         session_mode=a.session_mode,
         matcher=resolve_matcher(a.matcher, a.matcher_options),
         leaf_selection=a.leaf_selection,
@@ -32,6 +33,8 @@ def resolve_agentic(config: MilesConfig) -> AgenticContext | None:
         agent_timeout_s=a.agent_timeout_s,
         max_turns=a.max_turns,
         max_seq_len=a.max_seq_len,
+        enable_thinking=family.request_thinking(a.chat_template_kwargs),
+        chat_template_kwargs=dict(a.chat_template_kwargs),
     )
 
 
@@ -108,6 +111,7 @@ def session_server(
         sampling=sampling,
         max_seq_len=agentic.max_seq_len,
         router=Router(clients, dp_sizes=dp_sizes),
+        chat_template_kwargs=agentic.chat_template_kwargs,
     )
     with session_service(state, host=a.server_host, port=a.server_port) as service:
         yield dataclasses.replace(agentic, server=service)

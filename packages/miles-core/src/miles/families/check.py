@@ -70,12 +70,17 @@ SYSTEM = "You are a careful assistant. Answer briefly."
 
 @dataclass
 class Shape:
-    """A conversation; ``retry`` replaces everything from its last assistant reply on (a retried turn)."""
+    """A conversation; ``retry`` replaces everything from its last assistant reply on (a retried turn).
+
+    ``client_replies``: indices of assistant messages the client wrote (an edited reply); the
+    server appends them with the messages around them instead of generating them.
+    """
 
     name: str
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     retry: list[Message] | None = None
+    client_replies: frozenset[int] = frozenset()
     roles: frozenset[str] = frozenset()  # roles it appends after a reply (filled in by build_shapes)
 
 
@@ -193,6 +198,17 @@ def build_shapes(thinking: bool, system: bool, id_style: str = "openai") -> list
         b.reply("It is -3 °C in Oslo.", "Cold."),
     ]
 
+    b.calls = 0
+    edited = [
+        *head,
+        user("Name a prime number."),
+        b.reply("7.", "Any prime will do."),
+        user("A bigger one?"),
+        b.reply("101, as the client rewrote this reply.", "Pick a three-digit prime."),
+        user("Is it odd?"),
+        b.reply("Yes, 101 is odd.", "Every prime above 2 is odd."),
+    ]
+
     shapes = [
         Shape("plain", plain),
         Shape("single-tool", single, TOOLS),
@@ -200,6 +216,8 @@ def build_shapes(thinking: bool, system: bool, id_style: str = "openai") -> list
         Shape("tool-chain", chain, TOOLS),
         Shape("system-mid", mid_system),
         Shape("retry", retry_main, TOOLS, retry=retry_tail),
+        # The client edits the model's second reply, then asks on: the edit is history (suffix).
+        Shape("edited-reply", edited, client_replies=frozenset({len(head) + 3})),
     ]
     for shape in shapes:
         shape.roles = _appended_roles(shape.messages) | _appended_roles(shape.retry or [])
@@ -234,7 +252,7 @@ class Mismatch:
 @dataclass
 class CaseResult:
     shape: str
-    thinking: bool | None
+    thinking: bool | str | None
     system: bool
     status: str  # pass | fail | skip
     turns: int = 0
@@ -244,7 +262,11 @@ class CaseResult:
 
     @property
     def case(self) -> str:
-        mode = {None: "", True: "/think", False: "/no-think"}[self.thinking]
+        mode = (
+            f"/{self.thinking}"
+            if isinstance(self.thinking, str)
+            else {None: "", True: "/think", False: "/no-think"}[self.thinking]
+        )
         return f"{self.shape}{mode}/{'system' if self.system else 'no-system'}"
 
 
@@ -332,7 +354,7 @@ class _Run:
     """One family + tokenizer + thinking mode; plays the server over a conversation."""
 
     def __init__(
-        self, family: ModelFamily, tokenizer: Tokenizer, tools: list | None, thinking: bool | None
+        self, family: ModelFamily, tokenizer: Tokenizer, tools: list | None, thinking: bool | str | None
     ) -> None:
         self.family, self.tokenizer, self.tools, self.thinking = family, tokenizer, tools, thinking
 
@@ -376,7 +398,9 @@ class _Run:
         if parsed.content.strip() != (reply.get("content") or "").strip():
             problems.append(f"content {parsed.content!r} != {reply.get('content')!r}")
         want_reasoning = (
-            (reply.get("reasoning_content") or "").strip() if self.family.thinking_on(self.thinking) else ""
+            (reply.get("reasoning_content") or "").strip()
+            if self.family.thinking_state(self.thinking) is not False
+            else ""
         )
         if (parsed.reasoning_content or "").strip() != want_reasoning:
             problems.append(f"reasoning {parsed.reasoning_content!r} != {want_reasoning!r}")
@@ -393,10 +417,21 @@ class _Run:
             raise _Fail(Mismatch(turn, "parse", "; ".join(problems), got=repr(text)))
 
     def play(
-        self, messages: list[Message], resume: tuple[list[int], int] | None = None
+        self,
+        messages: list[Message],
+        resume: tuple[list[int], int] | None = None,
+        client_replies: frozenset[int] = frozenset(),
     ) -> list[tuple[list[int], int]]:
-        """Run the server over ``messages``; returns (prompt ids, reply index) at each turn."""
-        replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+        """Run the server over ``messages``; returns (prompt ids, reply index) at each turn.
+
+        The assistant messages at ``client_replies`` are not generated: they are appended in the
+        suffix with the messages around them, as the server does with a reply the client edited.
+        """
+        replies = [
+            i
+            for i, message in enumerate(messages)
+            if message["role"] == "assistant" and i not in client_replies
+        ]
         if resume is not None:
             ids, start_at = list(resume[0]), resume[1]
             replies = [i for i in replies if i >= start_at]
@@ -441,7 +476,7 @@ def _call_key(call: Mapping[str, Any]) -> tuple[str | None, Any]:
 
 
 def run_case(
-    family: ModelFamily, tokenizer: Tokenizer, shape: Shape, thinking: bool | None, system: bool
+    family: ModelFamily, tokenizer: Tokenizer, shape: Shape, thinking: bool | str | None, system: bool
 ) -> CaseResult:
     """Play one shape; never raises for a family problem (it becomes a failed case)."""
     result = CaseResult(shape.name, thinking, system, "pass")
@@ -452,12 +487,12 @@ def run_case(
             f"appends {', '.join(sorted(blocked))}, which this family does not allow",
         )
         return result
-    if shape.tools and family.thinking_on(thinking) and not family.tools_in_thinking:
+    if shape.tools and family.thinking_state(thinking) is not False and not family.tools_in_thinking:
         result.status, result.reason = "skip", "this family calls tools with thinking off only"
         return result
     run = _Run(family, tokenizer, shape.tools, thinking)
     try:
-        prompts = run.play(copy.deepcopy(shape.messages))
+        prompts = run.play(copy.deepcopy(shape.messages), client_replies=shape.client_replies)
         result.turns = len(prompts)
         if shape.retry is not None:
             last_prompt, index = prompts[-1]
@@ -473,7 +508,7 @@ def run_case(
 
 
 def _check_first_turns(
-    family: ModelFamily, tokenizer: Tokenizer, shape: Shape, thinking: bool | None
+    family: ModelFamily, tokenizer: Tokenizer, shape: Shape, thinking: bool | str | None
 ) -> None:
     """An edited template must render a first turn exactly as the official one does."""
     official = dataclasses.replace(family, template_edits=(), verified_templates=frozenset())
@@ -486,8 +521,11 @@ def _check_first_turns(
     _compare(tokenizer, 0, "official-first-turn", expected, got, "the edited template changes a first turn")
 
 
-def thinking_modes(family: ModelFamily) -> list[bool | None]:
-    modes: dict[str, list[bool | None]] = {"switch": [True, False], "always": [True], "never": [None]}
+def thinking_modes(family: ModelFamily) -> list[bool | str | None]:
+    """The switch values the check runs: on and off, every named mode, or the one fixed mode."""
+    if family.thinking_modes:
+        return list(family.thinking_modes)
+    modes: dict[str, list[bool | str | None]] = {"switch": [True, False], "always": [True], "never": [None]}
     return modes[family.thinking]
 
 
@@ -513,7 +551,8 @@ def check_family(
     official = dataclasses.replace(family, template_edits=(), verified_templates=frozenset())
     for thinking in thinking_modes(family):
         for system in (True, False):
-            shapes = build_shapes(family.thinking_on(thinking), system, family.tool_call_id_style)
+            reasons = family.thinking_state(thinking) is not False  # adaptive: replies that reason
+            shapes = build_shapes(reasons, system, family.tool_call_id_style)
             for shape in shapes:
                 case = run_case(family, tokenizer, shape, thinking, system)
                 if compare_official and family.template_edits and case.status != "skip":

@@ -52,9 +52,14 @@ class ReasoningParser:
     end: str = "</think>"
     opened_by_prompt: bool = False
     unclosed_is_reasoning: bool = True
+    #: Output that begins with ``end`` alone has no reasoning (the model chose not to reason, as
+    #: MiniMax-M3 does in its adaptive mode: its template writes such a reply as ``end`` + content).
+    bare_end_is_no_reasoning: bool = False
 
     def split(self, text: str, *, thinking: bool) -> tuple[str | None, str]:
         body = text.lstrip()
+        if self.bare_end_is_no_reasoning and body.startswith(self.end):
+            return None, body[len(self.end) :].strip()
         if body.startswith(self.start):
             body = body[len(self.start) :]
         elif not (thinking and self.opened_by_prompt):
@@ -268,6 +273,73 @@ class MiniMaxToolParser(_BlockParser):
         if self._parameter.sub("", inner).strip():
             raise ValueError(f"unexpected text in <invoke name={name!r}>")
         return openai_call(name, arguments)
+
+
+#: The namespace marker MiniMax-M3's template writes before every tag of a tool call.
+MINIMAX_M3_NS = "]<]minimax[>["
+
+
+class MiniMaxM3ToolParser(_BlockParser):
+    """MiniMax-M3: ``NS<tool_call>\nNS<invoke name="N">NS<k>V NS</k>…NS</invoke>\n…NS</tool_call>``.
+
+    ``NS`` is :data:`MINIMAX_M3_NS`. A value that is an object is written as nested ``NS<key>``
+    elements, a list as ``NS<item>`` elements, anything else as bare text (typed by the tool's
+    schema at the top level, else read as JSON when it parses).
+    """
+
+    name = "minimax-m3"
+    outer = (MINIMAX_M3_NS + "<tool_call>", MINIMAX_M3_NS + "</tool_call>")
+    start, end = MINIMAX_M3_NS + "<invoke name=", MINIMAX_M3_NS + "</invoke>"
+    _head = re.compile(r'^"([^"]+)">(.*)$', re.S)
+
+    def parse_block(self, body: str, tools: Sequence[Mapping[str, Any]] | None, index: int) -> dict[str, Any]:
+        match = self._head.match(body)
+        if not match:
+            raise ValueError('expected <invoke name="NAME">')
+        name, inner = match.group(1), match.group(2)
+        types = _parameter_types(tools, name)
+        elements = self._elements(inner)
+        if elements is None:
+            raise ValueError(f"unexpected text in <invoke name={name!r}>")
+        arguments = {key: self._value(raw, types.get(key)) for key, raw in elements}
+        return openai_call(name, arguments)
+
+    def _elements(self, text: str) -> list[tuple[str, str]] | None:
+        """``NS<k>…NS</k>`` elements one after another (nesting respected), or None if ``text`` is not only those."""
+        out: list[tuple[str, str]] = []
+        pos, ns = 0, MINIMAX_M3_NS
+        while pos < len(text):
+            if not text.startswith(ns + "<", pos):
+                return None
+            close = text.find(">", pos + len(ns) + 1)
+            if close < 0:
+                return None
+            key = text[pos + len(ns) + 1 : close]
+            if not key or key.startswith("/"):
+                return None
+            opening, closing = f"{ns}<{key}>", f"{ns}</{key}>"
+            depth, scan = 1, close + 1
+            while depth:
+                next_open = text.find(opening, scan)
+                next_close = text.find(closing, scan)
+                if next_close < 0:
+                    return None
+                if 0 <= next_open < next_close:
+                    depth, scan = depth + 1, next_open + len(opening)
+                else:
+                    depth, scan = depth - 1, next_close + len(closing)
+            out.append((key, text[close + 1 : scan - len(closing)]))
+            pos = scan
+        return out
+
+    def _value(self, raw: str, kind: Any) -> Any:
+        if raw.startswith(MINIMAX_M3_NS + "<"):
+            elements = self._elements(raw)
+            if elements is not None:
+                if elements and all(key == "item" for key, _ in elements) and kind != "object":
+                    return [self._value(item, None) for _, item in elements]
+                return {key: self._value(value, None) for key, value in elements}
+        return coerce_value(raw, kind)
 
 
 class DeepSeekToolParser(_BlockParser):

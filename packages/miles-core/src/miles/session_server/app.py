@@ -2,6 +2,7 @@
 
     POST   /sessions                              create a session -> {id, base_url}
     GET    /sessions/{id}                         its state
+    GET    /sessions/{id}/trajectory              its assembled tokens, loss mask and log-probs (read-only)
     DELETE /sessions/{id}                         close it (its trajectory can still be read)
     POST   /sessions/{id}/v1/chat/completions     one turn
 
@@ -25,18 +26,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import orjson
-from fastapi import FastAPI, Path, Request, Response
+from fastapi import FastAPI, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from miles.engines.router import Router
 from miles.errors import EngineError
 from miles.families import FamilyError
+from miles.families.base import TemplateKwargsError
 from miles.interfaces import EngineClient
 from miles.session_server.openai_types import (
     ChatCompletion,
@@ -46,7 +48,9 @@ from miles.session_server.openai_types import (
     PromptTokensDetails,
     RequestMessages,
     ResponseMessage,
+    SessionTrajectories,
     ToolCall,
+    TrajectoryTokens,
     Usage,
     ValidationErrorResponse,
 )
@@ -61,8 +65,9 @@ from miles.sessions import (
     SessionFull,
     SessionNotFound,
     SessionStore,
+    session_samples,
 )
-from miles.types import GenerateOutput, SamplingParams
+from miles.types import GenerateOutput, Prompt, SamplingParams, Status
 
 _STATUS = {
     MessageError: 422,
@@ -74,7 +79,11 @@ _STATUS = {
 }
 SESSION_ID = Path(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "the turn cannot run (context_length_exceeded)"},
+    400: {
+        "model": ErrorResponse,
+        "description": "the turn cannot run (context_length_exceeded), or chat_template_kwargs the model "
+        "family's template does not take (invalid_chat_template_kwargs)",
+    },
     404: {"model": ErrorResponse, "description": "unknown session"},
     409: {"model": ErrorResponse, "description": "the request does not extend the session, or it is full"},
     410: {"model": ErrorResponse, "description": "the session was deleted while the request was generating"},
@@ -108,7 +117,9 @@ class ServerState:
     the session id is the routing key, bound when the session is created (the engine with the
     fewest active requests) and forgotten when it is deleted. ``max_seq_len`` caps a
     session's prompt plus replies; a session that reached it is remembered as exhausted, so
-    its trajectory is reported truncated.
+    its trajectory is reported truncated. ``chat_template_kwargs`` is the run's default thinking
+    switch (``agentic.chat_template_kwargs``); a request's own ``chat_template_kwargs`` override
+    it key by key. Only the family's own switch is accepted (``ModelFamily.request_thinking``).
     """
 
     store: SessionStore
@@ -119,12 +130,20 @@ class ServerState:
     model_name: str = "policy"
     max_seq_len: int | None = None
     router: Router | None = None  # default: affinity routing over ``engines``
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     _usage: dict[str, SessionUsage] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.router is None:
             self.router = Router(self.engines)
+        if self.chat_template_kwargs:  # a bad default fails here, not at every turn
+            self.family.request_thinking(self.chat_template_kwargs)
+
+    def thinking(self, request_kwargs: Mapping[str, Any] | None) -> Any:
+        """The thinking switch of one turn: the request's chat_template_kwargs over the run's default."""
+        kwargs = {**self.chat_template_kwargs, **(request_kwargs or {})}
+        return self.family.request_thinking(kwargs) if kwargs else None
 
     @property
     def routes(self) -> Router:
@@ -145,6 +164,11 @@ class ServerState:
             usage.prompt_tokens += prompt_tokens
             usage.cached_tokens += cached_tokens
             usage.exhausted |= exhausted
+
+    def usage(self, session_id: str) -> SessionUsage:
+        """A copy of a live session's usage so far."""
+        with self._lock:
+            return replace(self._usage.get(session_id) or SessionUsage())
 
     def release(self, session_id: str) -> SessionUsage:
         """Forget a deleted session's routing; returns its usage (tokens, and whether it ran out)."""
@@ -214,6 +238,13 @@ def create_app(state: ServerState) -> FastAPI:
             status_code=502, content={"error": {"message": f"engine: {exc}", "type": "engine_error"}}
         )
 
+    @app.exception_handler(TemplateKwargsError)
+    async def template_kwargs_error(_: Request, exc: TemplateKwargsError) -> JSONResponse:
+        # The request asks for a template variable this family's template does not take.
+        return JSONResponse(
+            status_code=400, content={"error": {"message": str(exc), "type": "invalid_chat_template_kwargs"}}
+        )
+
     @app.exception_handler(FamilyError)
     async def family_error(_: Request, exc: FamilyError) -> JSONResponse:
         # Raised while rendering the request's messages: the template cannot express them.
@@ -235,6 +266,42 @@ def create_app(state: ServerState) -> FastAPI:
         session = state.store.get(session_id)
         return {"id": session.id, **session.stats()}
 
+    @app.get(
+        "/sessions/{session_id}/trajectory",
+        response_model=SessionTrajectories,
+        responses=_responses(404, 422),
+    )
+    async def get_trajectory(
+        session_id: str = SESSION_ID,
+        selection: Literal["drop_retries", "all"] = Query(
+            "drop_retries", description="branching sessions: which leaves (as agentic.leaf_selection)"
+        ),
+    ) -> SessionTrajectories:
+        """The tokens the trainer gets from this session so far (read-only; nothing is changed)."""
+        session = state.store.get(session_id)
+        exhausted = state.usage(session_id).exhausted
+        samples = session_samples(session, Prompt(index=0, prompt=""), selection=selection)
+        return SessionTrajectories(
+            id=session.id,
+            mode=session.mode,
+            trajectories=[
+                TrajectoryTokens(
+                    leaf=sample.metadata["leaf"],
+                    checkpoint_ids=sample.metadata["checkpoint_ids"],
+                    prompt_ids=sample.prompt_ids,
+                    response_ids=sample.response_ids,
+                    loss_mask=sample.loss_mask,
+                    rollout_logprobs=sample.rollout_logprobs,
+                    weight_versions=sample.weight_versions,
+                    finish_reason=sample.finish_reason or "stop",
+                    status=(
+                        Status.TRUNCATED if exhausted and sample.status is Status.COMPLETED else sample.status
+                    ).value,
+                )
+                for sample in samples
+            ],
+        )
+
     @app.delete("/sessions/{session_id}", responses=_responses(404, 422))
     async def delete_session(session_id: str = SESSION_ID) -> dict[str, Any]:
         state.store.delete(session_id)
@@ -252,6 +319,7 @@ def create_app(state: ServerState) -> FastAPI:
             request_messages[session] = RequestMessages()
         messages = request_messages[session].validate(body.messages)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        thinking = state.thinking(body.chat_template_kwargs)  # TemplateKwargsError: 400
 
         async def generate(input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
             # The session id is the routing key: every turn goes where its prefix is. An
@@ -269,6 +337,7 @@ def create_app(state: ServerState) -> FastAPI:
                 generate=generate,
                 sampling=_sampling(state, body),
                 max_seq_len=state.max_seq_len,
+                enable_thinking=thinking,
             )
         except ContextExhausted:
             state.record(session_id, exhausted=True)

@@ -116,6 +116,12 @@ class ChatCompletionRequest(BaseModel):
     n: Literal[1] = 1
     stream: Literal[False] = False
     seed: int | None = Field(None, ge=INT64_MIN, lt=INT64_END)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="the model family's thinking switch for this turn (e.g. enable_thinking, thinking, "
+        "thinking_mode: whichever the family's template takes); over the run's default, per key; any other "
+        "key is a 400",
+    )
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -234,6 +240,36 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class TrajectoryTokens(BaseModel):
+    """One training sequence of a session, as the trainer receives it (``miles.sessions.assemble``)."""
+
+    leaf: int = Field(description="the id of the checkpoint it ends at")
+    checkpoint_ids: list[int] = Field(description="its checkpoints, root first (one per generated turn)")
+    prompt_ids: list[int] = Field(description="the first turn's rendered prompt")
+    response_ids: list[int] = Field(
+        description="every later token: each turn's output, then the next turn's appended suffix"
+    )
+    loss_mask: list[int] = Field(
+        description="per response token: 1 where the model sampled it and it is trained, else 0"
+    )
+    rollout_logprobs: list[float] = Field(
+        description="per response token: the engine's log-prob (0.0 where masked)"
+    )
+    weight_versions: list[int] = Field(
+        description="per response token: the weight version it was sampled under"
+    )
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"]
+    status: Literal["completed", "truncated", "aborted", "failed"]
+
+
+class SessionTrajectories(BaseModel):
+    """``GET /sessions/{id}/trajectory``: a linear session has one trajectory, a branching one one per leaf."""
+
+    id: str
+    mode: Literal["linear", "branching"]
+    trajectories: list[TrajectoryTokens]
 
 
 class ChatCompletion(BaseModel):

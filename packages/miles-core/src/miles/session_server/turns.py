@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from miles.families.base import ParsedReply
+from miles.families.base import ParsedReply, Thinking
 from miles.sessions import Checkpoint, Session, SessionError
 from miles.types import GenerateOutput, SamplingParams
 
@@ -57,19 +57,24 @@ async def complete_turn(
     generate: Generate,
     sampling: SamplingParams,
     max_seq_len: int | None = None,
+    enable_thinking: Thinking = None,
 ) -> TurnResult:
     """Run one turn of ``session`` for ``messages`` (OpenAI dicts) and record it.
 
     ``sampling`` is used as given, plus the family's stop tokens. ``max_seq_len`` caps prompt
     plus output tokens: the turn may generate only what is left of it; with nothing left it
     raises :class:`ContextExhausted` and records nothing (the trajectory so far is kept, and
-    its owner reports it truncated).
+    its owner reports it truncated). ``enable_thinking`` is the family's thinking switch for
+    this turn (None: the template's default): it renders the new messages and the generation
+    prompt, and tells the reasoning parser whether the output starts inside the reasoning.
     """
     tool_list = list(tools) if tools else None
     with session.turn(messages) as plan:
         if plan.parent is None:
             prefix: list[int] = []
-            suffix = family.render_ids(tokenizer, messages, tool_list, add_generation_prompt=True)
+            suffix = family.render_ids(
+                tokenizer, messages, tool_list, add_generation_prompt=True, enable_thinking=enable_thinking
+            )
         else:
             prefix = plan.prefix_ids  # a fresh list: the checkpoint's prompt and output ids
             suffix = family.suffix_ids(
@@ -77,6 +82,7 @@ async def complete_turn(
                 [m.to_openai() for m in plan.new_messages],
                 tool_list,
                 add_generation_prompt=True,
+                enable_thinking=enable_thinking,
                 previous=plan.parent.assistant.to_openai(),  # its tool calls shape the boundary
                 stop_id=prefix[-1] if prefix else None,
             )
@@ -90,7 +96,9 @@ async def complete_turn(
                 "(prompt and replies together): nothing is left to generate"
             )
         out = await generate(input_ids, params)
-        reply = family.parse_reply(tokenizer, out.output_ids, tools=tool_list)
+        reply = family.parse_reply(
+            tokenizer, out.output_ids, tools=tool_list, enable_thinking=enable_thinking
+        )
         finish = finish_reason(out.finish_reason, reply)
         checkpoint = session.commit(
             plan,

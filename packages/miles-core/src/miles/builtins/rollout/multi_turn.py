@@ -65,6 +65,7 @@ async def _episode(
                 generate=generate,
                 sampling=ctx.sampling,
                 max_seq_len=agentic.max_seq_len,
+                enable_thinking=agentic.enable_thinking,
             )
         except ContextExhausted:
             ended_by = "max_seq_len"
