@@ -442,3 +442,22 @@ def test_triton_kernels_interpreted_on_cpu() -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(": ok") == 5, done.stdout
+
+
+def test_cuda_kernels_need_a_power_of_two_head_dim_of_at_least_16() -> None:
+    # tl.dot needs every tile dimension >= 16 and tl.arange a power of two: a GPU run of a tiny
+    # head_dim-8 model failed to compile the decode kernel before this check sent it to the
+    # DynamicCache path (auto) or refused it (paged).
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from miles.engines.embedded.paged.model import cuda_kernel_reason
+
+    def reason(head_dim: int) -> str | None:
+        config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+        return cuda_kernel_reason(SimpleNamespace(config=config))
+
+    assert reason(16) is None and reason(64) is None and reason(128) is None
+    for bad in (8, 24, 96):
+        assert reason(bad) is not None and f"head_dim {bad}" in str(reason(bad))

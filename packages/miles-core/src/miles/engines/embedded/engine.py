@@ -190,7 +190,7 @@ class EmbeddedEngine:
     def _wants_paged(self, model: Any) -> bool:
         """Whether this engine runs the paged fast path; refuses what cannot work, one log line
         when ``auto`` keeps the DynamicCache path."""
-        from miles.engines.embedded.paged.model import unsupported_reason
+        from miles.engines.embedded.paged.model import cuda_kernel_reason, unsupported_reason
 
         choice = self.options.kv_cache
         if choice not in KV_CACHES:
@@ -206,6 +206,8 @@ class EmbeddedEngine:
         reason = unsupported_reason(model)
         if reason is None and (o.prefix_cache_tokens or 0) > 0:
             reason = f"prefix_cache_tokens {o.prefix_cache_tokens} asks for the prefix cache, which it lacks"
+        if reason is None and self.device.type == "cuda":
+            reason = cuda_kernel_reason(model)
         if reason is None and self.device.type == "cuda":
             try:
                 import triton  # type: ignore[import-untyped]  # noqa: F401  (the paged decode kernel)

@@ -44,6 +44,18 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
+def cuda_kernel_reason(model: Any) -> str | None:
+    """Why the CUDA kernels cannot run ``model``'s attention (None: they can).
+
+    The decode kernel multiplies [queries, head_dim] tiles with ``tl.dot``, which needs every
+    dimension >= 16, and indexes the head with ``tl.arange``, which needs a power of two."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16 (the paged decode kernel needs one on CUDA)"
+    return None
+
+
 @dataclass
 class GatherMeta:
     """Padded attention layout of the sequences of one step (the ``gather`` form)."""
