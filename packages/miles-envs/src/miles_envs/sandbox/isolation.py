@@ -28,32 +28,59 @@ from pathlib import Path
 from miles_envs.sandbox.base import IsolationReport, IsolationUnavailableError, SandboxLimits
 
 # Run by /bin/sh as PID 1 of the new namespaces. $1 new-root mount point, $2 the sandbox
-# directory, $3 the work directory inside, $4 /tmp size, $5 a per-exec nonce; then the command's
-# argv. A failing step prints the nonce, so a setup failure (the sandbox's fault) is never taken for
-# the command's own exit status, and the command cannot fake one (the nonce is gone from its argv).
+# directory, $3 the work directory inside, $4 /tmp size, $5 a per-exec nonce, $6 the skeleton root,
+# $7 the host's system directories to bind; then the command's argv. A failing step prints the
+# nonce, so a setup failure (the sandbox's fault) is never taken for the command's own exit status,
+# and the command cannot fake one (the nonce is gone from its argv).
+#
+# The skeleton (built once per provider, see ``build_skeleton``) already holds the symlinks, empty
+# mount points and device placeholders, so an exec spends its time on mounts, not on mkdir/ln.
 _SETUP = r"""
 set -eu
-R="$1"; WS="$2"; WD="$3"; TMP="$4"; NONCE="$5"; shift 5
+R="$1"; WS="$2"; WD="$3"; TMP="$4"; NONCE="$5"; SKEL="$6"; SYSDIRS="$7"; shift 7
 trap 'echo "miles-sandbox-setup-failed $NONCE" >&2' EXIT
-mount -t tmpfs -o size=1m,mode=755 miles-root "$R"
-for d in usr bin sbin lib lib32 lib64 libx32 etc; do
-  if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$R/$d"
-  elif [ -d "/$d" ]; then mkdir "$R/$d"; mount --rbind "/$d" "$R/$d"; mount -o remount,bind,ro,nosuid,nodev "$R/$d"; fi
-done
-mkdir -p "$R$WD" "$R/tmp" "$R/dev" "$R/proc"
+mount --bind "$SKEL" "$R"
+for d in $SYSDIRS; do mount --rbind "/$d" "$R/$d"; mount -o remount,bind,ro,nosuid,nodev "$R/$d"; done
 mount --bind "$WS" "$R$WD"
 mount -o remount,bind,nosuid,nodev "$R$WD"
 mount -t tmpfs -o "size=$TMP,mode=1777,nosuid,nodev" miles-tmp "$R/tmp"
-mount -t tmpfs -o size=64k,mode=755,nosuid miles-dev "$R/dev"
-for n in null zero full random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
-ln -s /proc/self/fd "$R/dev/fd"; ln -s fd/0 "$R/dev/stdin"; ln -s fd/1 "$R/dev/stdout"; ln -s fd/2 "$R/dev/stderr"
+for n in null zero full random urandom; do mount --bind "/dev/$n" "$R/dev/$n"; done
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
-cd "$R"; mkdir .old; pivot_root . .old; umount -l /.old; rmdir /.old
+cd "$R"; pivot_root . .oldroot; umount -l /.oldroot
 mount -o remount,bind,ro /
 cd "$WD"
 trap - EXIT
 exec "$@"
 """
+
+# Host entries a command needs to run ordinary programs; symlinks among them (merged /usr) are
+# copied as symlinks, directories are bind-mounted read-only.
+SYSTEM_ENTRIES = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+RESERVED = (*SYSTEM_ENTRIES, "tmp", "dev", "proc", ".oldroot")
+
+
+def build_skeleton(skeleton: Path, workdir: str) -> list[str]:
+    """Lay out the new root's fixed part in ``skeleton``; returns the system directories to bind."""
+    os.chmod(skeleton, 0o755)
+    to_bind = []
+    for name in SYSTEM_ENTRIES:
+        host = Path("/") / name
+        if host.is_symlink():
+            (skeleton / name).symlink_to(os.readlink(host))
+        elif host.is_dir():
+            (skeleton / name).mkdir()
+            to_bind.append(name)
+    for name in ("tmp", "proc", ".oldroot", "dev"):
+        (skeleton / name).mkdir()
+    for name in DEVICES:
+        (skeleton / "dev" / name).touch()
+    (skeleton / "dev" / "fd").symlink_to("/proc/self/fd")
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        (skeleton / "dev" / name).symlink_to(f"fd/{fd}")
+    (skeleton / workdir.lstrip("/")).mkdir(parents=True)
+    return to_bind
+
 
 _TOOLS = ("unshare", "setpriv", "prlimit", "mount", "pivot_root", "timeout")
 BACKSTOP_GRACE_S = 2.0
@@ -67,6 +94,8 @@ class Launcher:
     kind: str  # "namespaces" or "none"
     workdir: str  # where the sandbox directory appears to the command (namespaces only)
     host_uid: int | None  # the unprivileged uid commands run as when the provider is root
+    skeleton: Path | None = None  # the new root's fixed layout (namespaces only)
+    system_dirs: tuple[str, ...] = ()  # host directories bind-mounted read-only into it
 
     def argv(
         self,
@@ -110,6 +139,8 @@ class Launcher:
             self.workdir,
             str(limits.tmp_bytes),
             nonce,
+            str(self.skeleton),
+            " ".join(self.system_dirs),
             *inner,
         ]
 
@@ -156,8 +187,10 @@ def check_reachable(path: Path, uid: int) -> None:
             )
 
 
-def detect(requested: str, workdir: str, sandbox_uid: int) -> tuple[Launcher, IsolationReport]:
+def detect(requested: str, workdir: str, sandbox_uid: int, base: Path) -> tuple[Launcher, IsolationReport]:
     """The launcher for ``requested`` ("auto", "namespaces" or "none"), probed by running a real command.
+
+    ``base`` is the provider's (empty, reachable) directory: the skeleton root and the probe go there.
 
     ``auto`` and ``namespaces`` both refuse to start when namespaces do not work: running
     untrusted commands unisolated must be asked for by name (``none``).
@@ -186,8 +219,11 @@ def detect(requested: str, workdir: str, sandbox_uid: int) -> tuple[Launcher, Is
             "install util-linux, or set isolation: none to run commands unisolated"
         )
     host_uid = sandbox_uid if os.geteuid() == 0 else None
-    launcher = Launcher("namespaces", workdir, host_uid)
-    problem = _probe(launcher)
+    skeleton = base / "skeleton"
+    skeleton.mkdir()
+    system_dirs = build_skeleton(skeleton, workdir)
+    launcher = Launcher("namespaces", workdir, host_uid, skeleton, tuple(system_dirs))
+    problem = _probe(launcher, base)
     if problem is not None:
         raise IsolationUnavailableError(
             f"sandbox isolation with Linux namespaces does not work on this machine: {problem}. "
@@ -206,9 +242,9 @@ def detect(requested: str, workdir: str, sandbox_uid: int) -> tuple[Launcher, Is
     )
 
 
-def _probe(launcher: Launcher) -> str | None:
+def _probe(launcher: Launcher, base_dir: Path) -> str | None:
     """Run one command the way every exec will; None when it worked, else what went wrong."""
-    with tempfile.TemporaryDirectory(prefix="miles-sandbox-probe-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="probe-", dir=base_dir) as tmp:
         base = Path(tmp)
         os.chmod(base, 0o711)
         ws, mnt = base / "root", base / "mnt"
@@ -217,7 +253,7 @@ def _probe(launcher: Launcher) -> str | None:
         if launcher.owner is not None:
             os.chown(ws, *launcher.owner)
         # The probe checks what the sandbox promises: the host root is gone and the network is down.
-        check = "test ! -e /.old && test ! -e /proc/1/root/.old && cat /proc/net/dev | tail -n +3 | wc -l"
+        check = 'test -z "$(ls -A /.oldroot)" && cat /proc/net/dev | tail -n +3 | wc -l'
         argv = launcher.argv(check, ws, mnt, SandboxLimits())
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=20, env=clean_env({}, ""))

@@ -31,13 +31,13 @@ from miles_envs.sandbox.base import (
     ExecResult,
     FileContent,
     IsolationReport,
-    IsolationUnavailableError,
     SandboxError,
     SandboxHealth,
     SandboxLimits,
     SandboxSpec,
 )
 from miles_envs.sandbox.isolation import (
+    RESERVED,
     Launcher,
     check_reachable,
     clean_env,
@@ -82,27 +82,24 @@ class LocalProvider:
         workdir: str = "/workspace",
         sandbox_uid: int = 65534,
     ) -> None:
-        if (
-            not workdir.startswith("/")
-            or ".." in workdir.split("/")
-            or workdir.rstrip("/") in ("", "/tmp", "/proc", "/dev")
-        ):
+        parts = [p for p in workdir.split("/") if p]
+        if not workdir.startswith("/") or not parts or ".." in parts or parts[0] in RESERVED:
             raise ValueError(
-                f"sandbox workdir must be an absolute path outside /, /tmp, /proc and /dev, got {workdir!r}"
+                f"sandbox workdir must be an absolute path outside /{', /'.join(RESERVED)}, got {workdir!r}"
             )
-        self._launcher, self._report = detect(isolation, workdir.rstrip("/"), sandbox_uid)
+        self._base = Path(tempfile.mkdtemp(prefix="miles-sandboxes-", dir=base_dir))
+        os.chmod(self._base, 0o711)  # the unprivileged sandbox uid must reach its own directory
+        try:
+            if isolation != "none" and os.geteuid() == 0:
+                check_reachable(self._base, sandbox_uid)
+            self._launcher, self._report = detect(isolation, "/" + "/".join(parts), sandbox_uid, self._base)
+        except BaseException:
+            shutil.rmtree(self._base, ignore_errors=True)
+            raise
         if self._report.kind == "none":
             log.warning("sandbox provider local: %s", self._report.detail)
         else:
             log.info("sandbox provider local: %s", self._report.detail)
-        self._base = Path(tempfile.mkdtemp(prefix="miles-sandboxes-", dir=base_dir))
-        os.chmod(self._base, 0o711)  # the unprivileged sandbox uid must reach its own directory
-        if self._launcher.host_uid is not None:
-            try:
-                check_reachable(self._base, self._launcher.host_uid)
-            except IsolationUnavailableError:
-                self._base.rmdir()
-                raise
         self._open: dict[str, LocalSandbox] = {}
 
     def describe(self) -> IsolationReport:
