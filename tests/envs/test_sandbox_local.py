@@ -52,6 +52,10 @@ def test_files_round_trip(provider: LocalProvider) -> None:
         await sb.write_file("src/pkg/mod.py", "print('from file')\n")
         await sb.write_file("data.bin", bytes(range(256)))
         assert (await sb.exec("python3 src/pkg/mod.py")).stdout == "from file\n"
+        # What the host wrote (file and the directories made for it) is the command's to change.
+        edit = await sb.exec("echo more >> src/pkg/mod.py && touch src/pkg/new.py src/new.txt && rm data.bin")
+        assert edit.ok, edit.stderr
+        await sb.write_file("data.bin", bytes(range(256)))
         assert await sb.read_file("data.bin") == bytes(range(256))
         await sb.exec("mkdir -p out && printf 'made inside' > out/result.txt")
         assert await sb.read_file("out/result.txt") == b"made inside"

@@ -23,7 +23,9 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @contextlib.contextmanager
-def _parent_fd(root: Path, parts: tuple[str, ...], create: bool) -> Iterator[int]:
+def _parent_fd(
+    root: Path, parts: tuple[str, ...], create: bool, owner: tuple[int, int] | None = None
+) -> Iterator[int]:
     """A descriptor of the directory holding the last of ``parts``, walked without following symlinks."""
     fd = os.open(root, _DIR_FLAGS)
     try:
@@ -37,6 +39,8 @@ def _parent_fd(root: Path, parts: tuple[str, ...], create: bool) -> Iterator[int
                     raise
                 os.mkdir(part, 0o755, dir_fd=fd)
                 child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                if owner is not None:  # a directory made for the sandbox belongs to its user
+                    os.fchown(child, *owner)
             except OSError as err:
                 if err.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise PathEscapeError(
@@ -68,7 +72,7 @@ def read_bytes(root: Path, path: str) -> bytes:
 def write_bytes(root: Path, path: str, content: bytes, owner: tuple[int, int] | None) -> None:
     """Write ``content`` to ``path`` (parents made); ``owner`` (uid, gid) for what is created, when set."""
     parts = check_relative(path).parts
-    with _parent_fd(root, parts, create=True) as parent:
+    with _parent_fd(root, parts, create=True, owner=owner) as parent:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
             fd = os.open(parts[-1], flags, 0o644, dir_fd=parent)
@@ -82,16 +86,6 @@ def write_bytes(root: Path, path: str, content: bytes, owner: tuple[int, int] | 
             f.write(content)
             if owner is not None:
                 os.fchown(f.fileno(), *owner)
-    if owner is not None:  # parents made on the way belong to the sandbox user too
-        chown_tree(root, owner)
-
-
-def chown_tree(root: Path, owner: tuple[int, int]) -> None:
-    """Give everything under ``root`` to ``owner`` without following symlinks."""
-    os.chown(root, *owner, follow_symlinks=False)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            os.chown(os.path.join(dirpath, name), *owner, follow_symlinks=False)
 
 
 def empty_dir(root: Path) -> None:
