@@ -201,6 +201,8 @@ def test_limits_and_spec_are_validated() -> None:
         SandboxLimits(wall_s=0)
     with pytest.raises(ValueError, match="processes"):
         SandboxLimits(processes=1)
+    with pytest.raises(ValueError, match="cpu_s must be a positive integer"):
+        SandboxLimits(cpu_s=1.5)  # type: ignore[arg-type]
     with pytest.raises(PathEscapeError):
         SandboxSpec(files={"../up": "x"})
     with pytest.raises(ValueError, match="env var"):

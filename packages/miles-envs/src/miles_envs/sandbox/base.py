@@ -61,8 +61,12 @@ class SandboxLimits:
     tmp_bytes: int = 64 << 20  # size of the private /tmp (a tmpfs, fresh per exec)
 
     def __post_init__(self) -> None:
+        if isinstance(self.wall_s, bool) or not isinstance(self.wall_s, int | float) or self.wall_s <= 0:
+            raise ValueError(
+                f"sandbox limit wall_s must be a positive number of seconds, got {self.wall_s!r}"
+            )
+        # The others become rlimits and tmpfs sizes, which take whole numbers.
         for name in (
-            "wall_s",
             "cpu_s",
             "memory_bytes",
             "processes",
@@ -72,8 +76,8 @@ class SandboxLimits:
             "tmp_bytes",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"sandbox limit {name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"sandbox limit {name} must be a positive integer, got {value!r}")
         if self.processes < 2:
             raise ValueError("sandbox limit processes must be at least 2 (the shell and one command)")
 
