@@ -38,7 +38,7 @@ from fastapi.routing import APIRoute
 from miles.engines.router import Router
 from miles.errors import EngineError
 from miles.families import FamilyError
-from miles.families.base import TemplateKwargsError
+from miles.families.base import TemplateKwargsError, Thinking
 from miles.interfaces import EngineClient
 from miles.session_server.openai_types import (
     ChatCompletion,
@@ -140,7 +140,7 @@ class ServerState:
         if self.chat_template_kwargs:  # a bad default fails here, not at every turn
             self.family.request_thinking(self.chat_template_kwargs)
 
-    def thinking(self, request_kwargs: Mapping[str, Any] | None) -> Any:
+    def thinking(self, request_kwargs: Mapping[str, Any] | None) -> Thinking:
         """The thinking switch of one turn: the request's chat_template_kwargs over the run's default."""
         kwargs = {**self.chat_template_kwargs, **(request_kwargs or {})}
         return self.family.request_thinking(kwargs) if kwargs else None
@@ -293,7 +293,7 @@ def create_app(state: ServerState) -> FastAPI:
                     loss_mask=sample.loss_mask,
                     rollout_logprobs=sample.rollout_logprobs,
                     weight_versions=sample.weight_versions,
-                    finish_reason=sample.finish_reason or "stop",
+                    finish_reason=sample.metadata["finish_reason"],  # the last turn's (always set)
                     status=(
                         Status.TRUNCATED if exhausted and sample.status is Status.COMPLETED else sample.status
                     ).value,
