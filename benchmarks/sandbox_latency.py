@@ -70,7 +70,7 @@ async def concurrent(provider: SandboxProvider, width: int, rounds: int) -> dict
 
 
 async def measure(isolation: str, repeats: int) -> dict[str, Any]:
-    provider = make_provider("local", {"isolation": isolation})
+    provider = make_provider("local-dir", {"isolation": isolation})
     try:
         report = provider.describe()
         await single(provider, 3)  # warm the page cache and the interpreter's paths

@@ -182,13 +182,13 @@ def test_isolation_none_runs_only_when_asked_and_says_so(caplog: pytest.LogCaptu
 
 
 def test_lookup_by_name_options_and_errors() -> None:
-    assert "local" in provider_names()
-    with pytest.raises(ComponentError, match="did you mean 'local'"):
-        make_provider("locl")
+    assert "local-dir" in provider_names()
+    with pytest.raises(ComponentError, match="did you mean 'local-dir'"):
+        make_provider("local-dr")
     with pytest.raises(ConfigError, match="isolation"):
-        make_provider("local", {"isolation": "chroot"})
+        make_provider("local-dir", {"isolation": "chroot"})
     with pytest.raises(ConfigError, match="isolaton"):
-        make_provider("local", {"isolaton": "none"})
+        make_provider("local-dir", {"isolaton": "none"})
     made = make_provider("miles_envs.sandbox.local:LocalProvider", {"isolation": "none"})
     assert made.describe().kind == "none"
     asyncio.run(made.aclose())

@@ -56,7 +56,7 @@ _DRAIN_AFTER_KILL_S = 2.0
 
 
 class LocalProviderOptions(ComponentOptions):
-    """Options of the ``local`` sandbox provider (``sandbox.options`` in a recipe)."""
+    """Options of the ``local-dir`` sandbox provider (``sandbox.options`` in a recipe)."""
 
     isolation: Literal["auto", "namespaces", "none"] = Field(
         "auto",
@@ -97,9 +97,9 @@ class LocalProvider:
             shutil.rmtree(self._base, ignore_errors=True)
             raise
         if self._report.kind == "none":
-            log.warning("sandbox provider local: %s", self._report.detail)
+            log.warning("sandbox provider local-dir: %s", self._report.detail)
         else:
-            log.info("sandbox provider local: %s", self._report.detail)
+            log.info("sandbox provider local-dir: %s", self._report.detail)
         self._open: dict[str, LocalSandbox] = {}
 
     def describe(self) -> IsolationReport:

@@ -3,9 +3,9 @@
 A distribution declares a provider class the way transports declare theirs::
 
     [project.entry-points."miles.sandbox_providers"]
-    local = "miles_envs.sandbox.local:LocalProvider"
+    local-dir = "miles_envs.sandbox.local:LocalProvider"
 
-and a recipe names it (``local``) or gives an import path (``pkg.module:Class``). The class's
+and a recipe names it (``local-dir``) or gives an import path (``pkg.module:Class``). The class's
 ``Options`` (a :class:`miles.capabilities.ComponentOptions` model) validates the recipe's options
 before the class is built, so a typo is one error naming the option, not a ``TypeError`` later.
 """
