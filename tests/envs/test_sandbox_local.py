@@ -122,6 +122,19 @@ def test_concurrent_sandboxes_run_side_by_side(provider: LocalProvider) -> None:
     asyncio.run(go())
 
 
+def test_parallel_execs_in_one_sandbox(provider: LocalProvider) -> None:
+    """Parallel tool calls of one agent: each exec has its own namespaces over the same files."""
+
+    async def body(sb: LocalSandbox) -> None:
+        results = await asyncio.gather(
+            *(sb.exec(f"sleep 0.2; echo {i} > out{i}; cat out{i}") for i in range(3))
+        )
+        assert [r.stdout.strip() for r in results] == ["0", "1", "2"]
+        assert sorted((await sb.exec("ls")).stdout.split()) == ["out0", "out1", "out2"]
+
+    with_sandbox(provider, body)
+
+
 def test_close_and_health(provider: LocalProvider) -> None:
     async def go() -> None:
         sb = await provider.create(SandboxSpec(limits=FAST))
