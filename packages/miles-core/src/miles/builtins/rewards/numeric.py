@@ -3,7 +3,9 @@
 ``reward = max(0, 1 - |predicted - label| / scale)``, and 0 when the response holds no
 number. Exact-match rewards give a policy that starts from random weights almost no
 signal (it must hit the one right token by chance); this one rewards producing a number
-at all and then getting closer, so a tiny model learns arithmetic in a few dozen steps.
+at all and then getting closer, so a tiny model from random weights gets a signal from its first
+step (on the default recipe it learns to answer with a middling number, not the sum itself:
+docs/benchmarks.md §15).
 The answer is extracted like the ``math`` reward does (last ``\\boxed{}``, else the last
 number), so a response that is exactly right scores exactly 1.0.
 """
