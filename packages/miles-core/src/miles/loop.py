@@ -91,4 +91,3 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
         checkpoint=run.checkpoint,
         seconds=time.perf_counter() - t_start,
     )
-
