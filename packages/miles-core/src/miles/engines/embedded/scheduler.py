@@ -218,11 +218,17 @@ class Scheduler:
         with self.step_lock:  # waits for the step in progress
             if mode == "abort":
                 self._abort_everything("generation paused (mode abort)")
-            elif mode == "retract" and self._batch is not None:
-                rows, self._batch = self._batch.rows, None
-                with self._lock:
-                    self._num_running = 0
-                    self._waiting.extendleft(reversed(rows))
+            elif mode == "retract":
+                self._retract_all()
+
+    def _retract_all(self) -> None:
+        """Send every running request back to the front of the queue (under ``step_lock``)."""
+        if self._batch is None:
+            return
+        rows, self._batch = self._batch.rows, None
+        with self._lock:
+            self._num_running = 0
+            self._waiting.extendleft(reversed(rows))
 
     def resume(self) -> None:
         with self._lock:

@@ -34,7 +34,7 @@ from typing import Any
 
 from miles.engines.embedded.paged.runner import PagedRunner, SeqState
 from miles.engines.embedded.sampler import GenRequest, Runner
-from miles.engines.embedded.scheduler import PAUSE_MODES, Scheduler
+from miles.engines.embedded.scheduler import Scheduler
 
 log = logging.getLogger("miles.engines.embedded")
 
@@ -109,17 +109,6 @@ class PagedScheduler(Scheduler):
         if why is not None:
             raise ValueError(why)
         super().submit(req)
-
-    def pause(self, mode: str) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
-        with self._lock:
-            self.paused, self.pause_mode = True, mode
-        with self.step_lock:  # waits for the step in progress
-            if mode == "abort":
-                self._abort_everything("generation paused (mode abort)")
-            elif mode == "retract":
-                self._retract_all()
 
     def release_memory(self) -> int:
         """Retract every running request and free the KV pool; returns the bytes freed."""
