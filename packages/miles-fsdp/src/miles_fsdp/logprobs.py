@@ -58,22 +58,7 @@ class _TokenLogProbs(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             x = logits.index_select(0, rows[start:end]).float()
-            if temperature != 1.0:
-                x.div_(temperature)
-            log_p = x.sub_(lse[start:end, None])
-            probs = torch.exp(log_p)
-            if grad_logprobs is not None:
-                # d/dx [x_t - lse(x)] = onehot(t) - softmax(x); the chain through x = logits / T adds 1/T.
-                g_out = grad_logprobs[start:end, None].float()
-                grad = probs * -g_out
-                grad.scatter_add_(1, targets[start:end, None], g_out)
-            else:
-                grad = torch.zeros_like(x)
-            if grad_entropy is not None:
-                g_ent = grad_entropy[start:end, None].float()
-                grad.sub_(probs * (log_p + entropy[start:end, None]) * g_ent)
-            if temperature != 1.0:
-                grad.div_(temperature)
+            grad = _logit_grad(x, start, end, lse, targets, entropy, grad_logprobs, grad_entropy, temperature)
             # Rows are distinct positions, so a plain indexed copy is exact.
             grad_logits.index_copy_(0, rows[start:end], grad.to(grad_logits.dtype))
         return grad_logits, None, None, None, None
@@ -155,21 +140,7 @@ class _ProjectedTokenLogProbs(torch.autograd.Function):
             end = min(start + chunk, n)
             h = hidden[start:end]
             x = _project(h, weight, bias).float()
-            if temperature != 1.0:
-                x.div_(temperature)
-            log_p = x.sub_(lse[start:end, None])
-            probs = torch.exp(log_p)
-            if grad_logprobs is not None:
-                g_out = grad_logprobs[start:end, None].float()
-                grad = probs * -g_out
-                grad.scatter_add_(1, targets[start:end, None], g_out)
-            else:
-                grad = torch.zeros_like(x)
-            if grad_entropy is not None:
-                g_ent = grad_entropy[start:end, None].float()
-                grad.sub_(probs * (log_p + entropy[start:end, None]) * g_ent)
-            if temperature != 1.0:
-                grad.div_(temperature)
+            grad = _logit_grad(x, start, end, lse, targets, entropy, grad_logprobs, grad_entropy, temperature)
             g = grad.to(weight.dtype)  # the logits' gradient, in the dtype the head computes in
             if grad_hidden is not None:
                 grad_hidden[start:end] = g @ weight
@@ -214,3 +185,37 @@ def projected_token_logprobs(
     if temperature <= 0:
         raise ValueError(f"projected_token_logprobs: temperature must be > 0, got {temperature}")
     return _ProjectedTokenLogProbs.apply(hidden, weight, bias, targets, float(temperature), int(chunk))
+
+
+def _logit_grad(
+    x: torch.Tensor,
+    start: int,
+    end: int,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """The gradient with respect to one chunk's raw logits ``x`` (rows ``start:end``, float32, consumed).
+
+    d/dx [x_t - lse(x)] = onehot(t) - softmax(x) for the log-prob, -p·(log p + H) for the entropy;
+    the chain through x / T divides both by T.
+    """
+    if temperature != 1.0:
+        x.div_(temperature)
+    log_p = x.sub_(lse[start:end, None])
+    probs = torch.exp(log_p)
+    if grad_logprobs is not None:
+        g_out = grad_logprobs[start:end, None].float()
+        grad = probs * -g_out
+        grad.scatter_add_(1, targets[start:end, None], g_out)
+    else:
+        grad = torch.zeros_like(x)
+    if grad_entropy is not None:
+        g_ent = grad_entropy[start:end, None].float()
+        grad.sub_(probs * (log_p + entropy[start:end, None]) * g_ent)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
