@@ -117,3 +117,35 @@ def greedy_local(model: Any, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def generate_in_process(
+    engine: Any, prompts: list[list[int]], *, max_new_tokens: int, timeout: float, **params: Any
+) -> list[Any]:
+    """Submit every prompt to an in-process engine's scheduler at once (greedy, log-probs, no stop
+    unless ``params`` say otherwise) and wait for all answers."""
+    import threading
+
+    done = threading.Semaphore(0)
+    reqs = []
+    for p in prompts:
+        fields: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            stop_token_ids=[],
+            seed=None,
+            ignore_eos=True,
+            return_logprob=True,
+            return_routed_experts=False,
+        )
+        fields.update(params)
+        req = engine.make_request(input_ids=p, rid=None, **fields)
+        req.on_done = lambda r: done.release()
+        reqs.append(req)
+    for r in reqs:
+        engine.scheduler.submit(r)
+    for _ in reqs:
+        assert done.acquire(timeout=timeout)
+    return reqs

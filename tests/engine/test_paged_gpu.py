@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3
+from engine.helpers import full_forward_logprobs, generate_in_process, load_local, make_tiny_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -45,29 +45,8 @@ def _engine(model_dir: Path, **options: Any) -> Any:
 
 
 def _generate(engine: Any, prompts: list[list[int]], **params: Any) -> list[Any]:
-    done = threading.Semaphore(0)
-    reqs = []
-    for p in prompts:
-        fields: dict[str, Any] = dict(
-            max_new_tokens=24,
-            temperature=0.0,
-            top_p=1.0,
-            top_k=-1,
-            stop_token_ids=[],
-            seed=None,
-            ignore_eos=True,
-            return_logprob=True,
-            return_routed_experts=False,
-        )
-        fields.update(params)
-        req = engine.make_request(input_ids=p, rid=None, **fields)
-        req.on_done = lambda r: done.release()
-        reqs.append(req)
-    for r in reqs:
-        engine.scheduler.submit(r)
-    for _ in reqs:
-        assert done.acquire(timeout=300)
-    return reqs
+    """Submit every prompt at once; wait for all answers."""
+    return generate_in_process(engine, prompts, **{"max_new_tokens": 24, "timeout": 300, **params})
 
 
 def test_triton_kernels_match_torch() -> None:
