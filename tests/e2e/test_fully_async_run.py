@@ -97,6 +97,11 @@ def test_abort_update_mode_drops_the_interrupted_groups(small_run):
         "schedule=fully_async",
         "fully_async.update_mode=abort",
         "fully_async.aborted=discard",
+        # A buffer that never fills keeps the worker generating, so every weight update finds
+        # requests in flight to abort (with the default capacity a slow trainer lets the buffer
+        # fill, generation idles, and an update may find nothing to interrupt).
+        "fully_async.buffer_capacity=50",
+        "fully_async.max_staleness=null",
         "rollout.max_new_tokens=48",
     )
     result, rec = _run(config)
