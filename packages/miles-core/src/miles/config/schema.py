@@ -272,6 +272,31 @@ class TrainSection(Section):
         return self
 
 
+class LoraSection(Section):
+    """Train a LoRA adapter instead of every parameter (``peft``); the base stays frozen and resident."""
+
+    name: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
+        description="the adapter's name: engines serve it under this name (SGLang's lora_path)",
+    )
+    rank: int = Field(16, description="LoRA rank r (> 0)")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="linear modules to adapt: names or name suffixes (e.g. q_proj, mlp.down_proj)",
+    )
+
+    @field_validator("rank")
+    @classmethod
+    def _positive_rank(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError(f"lora.rank must be > 0, got {v}")
+        return v
+
+
 class WeightSyncSection(Section):
     bucket_mb: int = Field(512, ge=1, description="weights are sent in buckets of at most this size")
     check_equal: bool = Field(
@@ -486,6 +511,9 @@ class MilesConfig(Section):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     train: TrainSection = Field(default_factory=TrainSection)
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
+    lora: LoraSection | None = Field(
+        None, description="train a LoRA adapter (peft) instead of every parameter"
+    )
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     distillation: DistillationSection | None = None
     sft: SFTSection = Field(default_factory=SFTSection)
