@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from miles.types import GenerateOutput, Group, Prompt, Sample, SamplingParams, TrainBatch
+from miles.types import ExitReason, GenerateOutput, Group, Prompt, Sample, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
     import torch
@@ -203,6 +203,9 @@ class AgentResult:
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     failure: str | None = None
+    # Why the episode ended (kept as ``metadata["exit_reason"]``); an infrastructure reason
+    # (``INFRA_EXIT_REASONS``) marks the episode ABORTED: dropped and retried, never rewarded.
+    exit_reason: ExitReason | None = None
 
 
 # An agent function runs one episode against the session server (the innermost layer).

@@ -26,6 +26,30 @@ class Status(StrEnum):
     FAILED = "failed"  # the environment or reward raised
 
 
+class ExitReason(StrEnum):
+    """Why an agentic episode ended, finer than its :class:`Status` (``metadata["exit_reason"]``).
+
+    Counted per step as ``rollout/exit/<reason>``. The infrastructure reasons
+    (:data:`INFRA_EXIT_REASONS`) say nothing about the policy: such an episode is marked
+    ABORTED, so its group is dropped (and retried) instead of being scored as reward 0.
+    """
+
+    COMPLETED = "completed"  # the agent finished by itself (the model stopped calling tools)
+    TOKEN_LIMIT = "token_limit"  # a reply or the episode ran out of tokens
+    TURN_LIMIT = "turn_limit"  # the episode used its model calls
+    WALL_CLOCK = "wall_clock_timeout"  # the episode ran past its wall-clock limit
+    FORMAT_ERROR = "format_error"  # the model's reply could not be read as the agent expects
+    NO_RESPONSE = "no_response"  # the model answered nothing (no text, no tool call)
+    TOOL_ERROR = "tool_error"  # tools failed past their budget (e.g. too many tool timeouts)
+    AGENT_ERROR = "agent_error"  # the agent function raised (a bug in it; scored as failed)
+    SANDBOX_DIED = "sandbox_died"  # infrastructure: the sandbox could not start or stopped working
+    ENVIRONMENT_ERROR = "environment_error"  # infrastructure: the environment itself failed
+
+
+#: Exit reasons that are the infrastructure's fault: retried or excluded, never scored.
+INFRA_EXIT_REASONS: frozenset[ExitReason] = frozenset({ExitReason.SANDBOX_DIED, ExitReason.ENVIRONMENT_ERROR})
+
+
 @dataclass
 class Prompt:
     """One task drawn from a data source. ``index`` is stable across epochs and resumes."""

@@ -143,12 +143,24 @@ def rollout_metrics(
 
 
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Multi-turn episodes (samples assembled from sessions): turns, tool calls, and the share of
-    prompt tokens the engines' prefix caches served (what session affinity saves)."""
+    """Multi-turn episodes (samples assembled from sessions): turns, tool calls, the share of
+    prompt tokens the engines' prefix caches served (what session affinity saves), exit-reason
+    counts (``rollout/exit/<reason>``) and the tool time agents report (``tool_time_s``)."""
+    metrics: dict[str, float] = {}
+    # Why episodes ended (agents that report an exit reason): rollout/exit/<reason>, per step.
+    for sample in samples:
+        reason = sample.metadata.get("exit_reason")
+        if isinstance(reason, str):
+            key = f"rollout/exit/{reason}"
+            metrics[key] = metrics.get(key, 0.0) + 1.0
+    tool_times = [t for s in samples if isinstance(t := s.metadata.get("tool_time_s"), int | float)]
+    if tool_times:
+        metrics["rollout/episode/tool_time_s_mean"] = statistics.fmean(tool_times)
+        metrics["rollout/episode/tool_time_s_total"] = float(sum(tool_times))
     episodes = [s for s in samples if "turns" in s.metadata]
     if not episodes:
-        return {}
-    metrics = {
+        return metrics
+    metrics |= {
         "rollout/episode/turns_mean": statistics.fmean(s.metadata["turns"] for s in episodes),
         "rollout/episode/tool_calls_mean": statistics.fmean(
             s.metadata.get("tool_calls", 0) for s in episodes

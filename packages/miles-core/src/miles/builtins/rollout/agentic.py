@@ -26,7 +26,7 @@ from miles.builtins.rollout.episodes import agentic_context, episode_samples, pr
 from miles.capabilities import GenerateNeeds, NoOptions, declare_needs, declare_options
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import AgentResult, AgentTask, RolloutContext
-from miles.types import Sample, SamplingParams
+from miles.types import INFRA_EXIT_REASONS, ExitReason, Sample, SamplingParams, Status
 
 log = logging.getLogger("miles.rollout")
 
@@ -54,15 +54,18 @@ async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
         options=dict(agentic.agent_options),
     )
     failure = None
+    exit_reason: ExitReason | None = None
     result = AgentResult()
     try:
         result = as_agent_result(await asyncio.wait_for(agentic.agent(task), agentic.agent_timeout_s))
-        failure = result.failure
+        failure, exit_reason = result.failure, result.exit_reason
     except TimeoutError:
         failure = f"the agent ran longer than agentic.agent_timeout_s ({agentic.agent_timeout_s} s)"
+        exit_reason = ExitReason.WALL_CLOCK
         log.warning("agent timed out on prompt %d", sample.prompt.index)
     except Exception as exc:
         failure = f"the agent raised {type(exc).__name__}: {exc}"
+        exit_reason = ExitReason.AGENT_ERROR
         log.warning("agent failed on prompt %d:\n%s", sample.prompt.index, traceback.format_exc())
     finally:
         closed = service.close(session_id)
@@ -70,8 +73,20 @@ async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     if result.reward is not None:
         metadata[AGENT_REWARD] = float(result.reward)
     usage = closed.usage
-    metadata |= {"prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens}
-    return episode_samples(
+    if exit_reason is None:
+        exit_reason = (
+            ExitReason.TOKEN_LIMIT
+            if usage.exhausted
+            else ExitReason.AGENT_ERROR
+            if failure
+            else ExitReason.COMPLETED
+        )
+    metadata |= {
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "exit_reason": str(exit_reason),
+    }
+    samples = episode_samples(
         closed.session,
         sample,
         selection=agentic.leaf_selection,
@@ -79,6 +94,12 @@ async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
         failure=failure,
         metadata=metadata,
     )
+    if exit_reason in INFRA_EXIT_REASONS:
+        # Not the policy's doing: the group is dropped (and its prompt retried), never scored.
+        for s in samples:
+            s.status, s.reward = Status.ABORTED, None
+            s.metadata.setdefault("failure", failure or str(exit_reason))
+    return samples
 
 
 def _request_defaults(sampling: SamplingParams) -> dict[str, Any]:
@@ -95,12 +116,26 @@ def as_agent_result(value: Any) -> AgentResult:
     if value is None:
         return AgentResult()
     if isinstance(value, AgentResult):
+        if value.exit_reason is not None:
+            value.exit_reason = _exit_reason(value.exit_reason)
         return value
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {"reward", "metadata", "failure"})
+        unknown = sorted(set(value) - {"reward", "metadata", "failure", "exit_reason"})
         if unknown:
             raise ComponentError(
-                f"an agent returned unknown keys {unknown}; allowed: reward, metadata, failure"
+                f"an agent returned unknown keys {unknown}; allowed: reward, metadata, failure, exit_reason"
             )
+        value = dict(value)
+        if value.get("exit_reason") is not None:
+            value["exit_reason"] = _exit_reason(value["exit_reason"])
         return AgentResult(**value)
     raise ComponentError(f"an agent must return an AgentResult, a dict or None, not {type(value).__name__}")
+
+
+def _exit_reason(value: Any) -> ExitReason:
+    try:
+        return ExitReason(value)
+    except ValueError:
+        raise ComponentError(
+            f"an agent returned exit_reason {value!r}; known: {', '.join(r.value for r in ExitReason)}"
+        ) from None

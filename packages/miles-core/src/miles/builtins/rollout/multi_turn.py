@@ -23,7 +23,7 @@ from miles.capabilities import GenerateNeeds, NoOptions, declare_needs, declare_
 from miles.interfaces import AgenticContext, RolloutContext
 from miles.session_server.turns import ContextExhausted, complete_turn
 from miles.sessions import LinearSession, strict
-from miles.types import GenerateOutput, Sample, SamplingParams
+from miles.types import ExitReason, GenerateOutput, Sample, SamplingParams
 
 log = logging.getLogger("miles.rollout")
 
@@ -87,5 +87,20 @@ async def _episode(
         sample,
         failure=failure,
         truncated=ended_by in ("max_turns", "max_seq_len"),
-        metadata={"ended_by": ended_by, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens},
+        metadata={
+            "ended_by": ended_by,
+            "exit_reason": str(_EXIT_REASONS.get(ended_by, ExitReason.COMPLETED)),
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+        },
     )
+
+
+# How each ``ended_by`` counts among the typed exit reasons (``rollout/exit/<reason>``).
+_EXIT_REASONS: dict[str, ExitReason] = {
+    "max_turns": ExitReason.TURN_LIMIT,
+    "max_seq_len": ExitReason.TOKEN_LIMIT,
+    "length": ExitReason.TOKEN_LIMIT,
+    "tool_error": ExitReason.TOOL_ERROR,
+    "abort": ExitReason.ENVIRONMENT_ERROR,  # the engine aborted the turn (the sample is ABORTED)
+}
