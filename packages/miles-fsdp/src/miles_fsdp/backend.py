@@ -102,11 +102,18 @@ class FSDPBackend:
                 _check_model_dir(path, role)
         if spec.correction:
             validate_component_ref("correction", spec.correction)
+        from miles_fsdp import lora
+
+        lora_opts = lora.section(spec.config)
+        if lora_opts is not None:
+            lora.check_targets(spec.model_path, lora_opts)  # on the meta device: nothing is loaded
         if spec.engine_urls:
             from miles.plugins import make_component
 
             # Built (not connected) here too, so a wrong transport option is one clear error, not one per rank.
-            make_component("transport", spec.transport, dict(spec.transport_options))
+            transport = make_component("transport", spec.transport, dict(spec.transport_options))
+            if lora_opts is not None and not getattr(transport, "carries_adapters", False):
+                raise ConfigError(lora.transport_refusal(spec.transport))
         self.spec = spec
         self._offloaded = False
         self._kind = None
@@ -240,6 +247,10 @@ class FSDPBackend:
         directory = os.path.abspath(directory)
         if not os.path.isfile(os.path.join(directory, STATE_FILE)):
             raise FileNotFoundError(f"{directory} is not an FSDP checkpoint ({STATE_FILE} is missing)")
+        assert self.spec is not None
+        from miles_fsdp import lora
+
+        lora.check_checkpoint(directory, self.spec)  # before any rank reads it
         self._run("load_checkpoint", self._same(directory))
 
     def export_hf(self, directory: str) -> None:

@@ -4,6 +4,7 @@ Layout of a resumable checkpoint directory::
 
     dcp/                   model + optimizer (and the critic's, with PPO), sharded (torch.distributed.checkpoint);
                            any rank count can load it
+                           (a LoRA run: only the adapter's parameters and their optimizer state)
     trainer_state.json     LR-scheduler states, whether each optimizer has stepped, the rank count that wrote it
     rng/rank{r}.pt         each rank's RNG states (torch CPU, CUDA, python)
 """
@@ -56,6 +57,12 @@ class Trainable:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    # LoRA: only the trainable (adapter) parameters and their optimizer state are saved and loaded.
+    trainable_only: bool = False
+
+    @property
+    def options(self) -> StateDictOptions | None:
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.trainable_only else None
 
     @property
     def keys(self) -> tuple[str, str]:
@@ -72,7 +79,9 @@ def save(directory: str, parts: list[Trainable], extra: dict[str, Any]) -> None:
         # that, so a checkpoint taken before the first step resumes with no state, as a fresh run would.
         started[part.name] = bool(part.optimizer.state)
         model_key, optim_key = part.keys
-        to_save[model_key], to_save[optim_key] = get_state_dict(part.model, part.optimizer)
+        to_save[model_key], to_save[optim_key] = get_state_dict(
+            part.model, part.optimizer, options=part.options
+        )
         state[_scheduler_key(part)] = part.scheduler.state_dict()
     dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"))
     for part in parts:
@@ -105,7 +114,9 @@ def load(directory: str, parts: list[Trainable]) -> dict[str, Any]:
     to_load: dict[str, Any] = {}
     for part in parts:
         model_key, optim_key = part.keys
-        to_load[model_key], to_load[optim_key] = get_state_dict(part.model, part.optimizer)
+        to_load[model_key], to_load[optim_key] = get_state_dict(
+            part.model, part.optimizer, options=part.options
+        )
     dcp.load(to_load, checkpoint_id=os.path.join(directory, "dcp"))
     started = state.get("optimizer_started", {})
     for part in parts:
@@ -115,6 +126,7 @@ def load(directory: str, parts: list[Trainable]) -> dict[str, Any]:
             part.optimizer,
             model_state_dict=to_load[model_key],
             optim_state_dict=to_load[optim_key],
+            options=part.options,
         )
         if not started.get(part.name, True):
             part.optimizer.state.clear()

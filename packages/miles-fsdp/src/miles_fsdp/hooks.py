@@ -26,7 +26,9 @@ def miles_config_sections() -> list[ConfigSection]:
 
 @hookimpl
 def miles_configure(config: Any) -> None:
-    """Refuse placements that cannot run: NCCL cannot join two processes on one GPU."""
+    """Refuse placements that cannot run: NCCL cannot join two processes on one GPU; LoRA over a
+    transport that cannot carry an adapter."""
+    _check_lora_transport(config)
     options = getattr(config, "fsdp", None)
     if config.backend != "fsdp" or options is None or options.device != "cuda":
         return
@@ -41,3 +43,14 @@ def miles_configure(config: Any) -> None:
             f"(NCCL cannot connect two processes on one GPU); set engine.device=cuda:{options.num_ranks} "
             "or use transport: colocated"
         )
+
+
+def _check_lora_transport(config: Any) -> None:
+    if getattr(config, "lora", None) is None or config.backend != "fsdp" or config.mode != "rl":
+        return
+    from miles._plugins.components import load_component
+    from miles_fsdp.lora import transport_refusal
+
+    transport = load_component("transport", config.transport)
+    if not getattr(transport, "carries_adapters", False):
+        raise ConfigError(transport_refusal(config.transport))

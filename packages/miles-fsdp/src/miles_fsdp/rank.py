@@ -33,6 +33,7 @@ from miles.interfaces import (
     TransportStats,
 )
 from miles_fsdp import checkpoint
+from miles_fsdp import lora as lora_mod
 from miles_fsdp.batching import OLD_LOGPROBS, MicroBatchTensors, RankBatch, collate
 from miles_fsdp.config import FSDPOptions
 from miles_fsdp.logprobs import projected_token_logprobs, token_logprobs
@@ -88,11 +89,18 @@ class RankTrainer:
         policy = load_causal_lm(spec.model_path, self.opts, "policy")
         if self.opts.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # LoRA: the base is frozen and only the adapter trains, is checkpointed and is sent to engines.
+        self.lora = lora_mod.section(spec.config)
+        trained: nn.Module = policy if self.lora is None else lora_mod.wrap(policy, self.lora)
         if self.opts.logprob_projection == "chunked":
-            check_projectable(policy, "policy")
-        self.model = shard(policy, self.mesh, self.opts, "policy")
+            check_projectable(trained, "policy")
+        self.model = shard(trained, self.mesh, self.opts, "policy")
         self.optimizer, self.scheduler = self._optimizer(self.model, self.train_opts.lr)
-        self.parts = [checkpoint.Trainable("model", self.model, self.optimizer, self.scheduler)]
+        self.parts = [
+            checkpoint.Trainable(
+                "model", self.model, self.optimizer, self.scheduler, trainable_only=self.lora is not None
+            )
+        ]
 
         # Frozen scorers, built only when the objective reads what they compute.
         self.scorers: dict[str, nn.Module] = {}
@@ -131,8 +139,10 @@ class RankTrainer:
 
     def _optimizer(self, model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, Any]:
         opts = self.train_opts
+        # Frozen parameters (a LoRA run's base) get no optimizer state.
+        params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=opts.betas, eps=opts.eps, weight_decay=opts.weight_decay
+            params, lr=lr, betas=opts.betas, eps=opts.eps, weight_decay=opts.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_lambda())
         return optimizer, scheduler
@@ -169,6 +179,8 @@ class RankTrainer:
         options = dict(self.spec.transport_options)
         transport = make_component("transport", self.spec.transport, options)
         device = str(self.device) if self.device.type == "cuda" else "cpu"
+        if self.lora is not None:
+            self._serve_adapter(transport)
         transport.connect(
             list(self.spec.engine_urls), rank=self.rank, world_size=self.world_size, device=device
         )
@@ -178,6 +190,33 @@ class RankTrainer:
                 # seed() comes with wants_base_weights (an optional part of the Transport protocol).
                 transport.seed(iter_full_tensors(self.model), 0)  # type: ignore[attr-defined]
         return transport
+
+    def _serve_adapter(self, transport: Any) -> None:
+        """LoRA: load the initial adapter on every engine by name, and point the transport at it.
+
+        The adapter's configuration (rank, alpha, targets) reaches the engines once, through a peft
+        directory and ``/load_lora_adapter``; every later update carries only its tensors."""
+        assert self.lora is not None
+        carry = getattr(transport, "carry_adapter", None)
+        if not callable(carry):
+            raise ComponentError(
+                f"transport {self.spec.transport!r} cannot carry a LoRA adapter; use broadcast or colocated"
+            )
+        carry(self.lora.name)
+        directory = os.path.join(_run_dir(self.spec.config), "lora", f"{self.lora.name}-initial")
+        lora_mod.save_adapter(directory, self.model, self.lora, self.spec.model_path, write=self.rank == 0)
+        if self.rank == 0:
+            from miles.engines.client import SyncEngineClient
+
+            for url in self.spec.engine_urls:
+                with SyncEngineClient(url) as client:
+                    client.load_lora_adapter(self.lora.name, directory)
+        dist.barrier()
+
+    def _weight_stream(self) -> Any:
+        if self.lora is not None:
+            return lora_mod.iter_adapter_tensors(self.model, self.lora.name)
+        return iter_full_tensors(self.model)
 
     # ---------------------------------------------------------------- scoring
 
@@ -470,7 +509,7 @@ class RankTrainer:
             # No engines to feed, but every rank still drains in step with the others.
             return TransportStats(bytes_sent=0, seconds=0.0, buckets=0, version=version)
         with torch.no_grad():
-            stats = self.transport.send(iter_full_tensors(self.model), version)
+            stats = self.transport.send(self._weight_stream(), version)
         return stats if self.rank == 0 else None
 
     def reconnect_transport(self, _: None = None) -> None:
@@ -487,7 +526,13 @@ class RankTrainer:
 
     def save_checkpoint(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
-        checkpoint.save(directory, self.parts, {"step": self.scheduler.last_epoch})
+        extra: dict[str, Any] = {"step": self.scheduler.last_epoch}
+        if self.lora is not None:
+            extra["lora"] = {
+                "name": self.lora.name,
+                "base": lora_mod.base_reference(self.spec.model_path) if self.rank == 0 else None,
+            }
+        checkpoint.save(directory, self.parts, extra)
 
     def load_checkpoint(self, directory: str) -> None:
         checkpoint.load(directory, self.parts)
@@ -506,6 +551,15 @@ class RankTrainer:
             )
 
     def export_hf(self, directory: str) -> None:
+        if self.lora is not None:
+            # A peft adapter directory (plus the base's tokenizer), not a merged model.
+            lora_mod.save_adapter(
+                directory, self.model, self.lora, self.spec.model_path, write=self.rank == 0
+            )
+            if self.rank == 0:
+                checkpoint.copy_tokenizer_files(self.spec.model_path, directory)
+            dist.barrier()
+            return
         name = self.opts.export_dtype
         dtype = self.source_dtype if name == "auto" else DTYPES[name]
         checkpoint.export_hf(
@@ -539,6 +593,15 @@ class _MetricSums:
                 sums[key] = sums.get(key, 0.0) + s[key]
                 weights[key] = weights.get(key, 0.0) + w[key]
         return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
+
+
+def _run_dir(config: dict[str, Any] | None) -> str:
+    run = (config or {}).get("run") or {}
+    if run.get("output_dir") and run.get("name"):
+        return os.path.join(run["output_dir"], run["name"])
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="miles-lora-")
 
 
 def _score(mb: MicroBatchTensors, name: str, who: str) -> torch.Tensor:

@@ -66,6 +66,8 @@ class BroadcastOptions(TransportOptions):
 class BroadcastTransport(BucketedTransport):
     """``miles.interfaces.Transport`` over a torch.distributed broadcast group (the default transport)."""
 
+    carries_adapters = True  # a LoRA update is named tensors like any other
+
     needs = TransportNeeds(receiver="weight-group")
     Options = BroadcastOptions
 

@@ -128,6 +128,9 @@ class StreamTransport(abc.ABC):
 
     # Whether the weight-equality check may randomise the engines before the first update.
     check_randomizes = True
+    # Whether an update may carry only a LoRA adapter's tensors (``carry_adapter``); the engines
+    # apply them to the adapter of that name, loaded by the trainer through /load_lora_adapter.
+    carries_adapters = False
 
     def __init__(
         self,
@@ -155,6 +158,16 @@ class StreamTransport(abc.ABC):
         self._check = WeightEqualityCheck(check_mode, check_skip) if check_equal else None  # type: ignore[arg-type]
         # Experts' share of the flush threshold (set by a backend with expert parallelism).
         self.expert_parallel = 1
+        self.adapter: str | None = None
+
+    def carry_adapter(self, name: str) -> None:
+        """Updates carry only LoRA adapter ``name``'s tensors: the weight check randomises and compares
+        that adapter's tensors on the engines, never the base (which the update does not send)."""
+        if not self.carries_adapters:
+            raise ConfigError(f"{type(self).__name__} cannot carry a LoRA adapter")
+        self.adapter = name
+        if self._check is not None:
+            self._check.adapter = name
 
     # -------------------------------------------------------- Transport API
 
@@ -229,6 +242,7 @@ class StreamTransport(abc.ABC):
         if self._check_settings is not None:
             mode, skip = self._check_settings
             self._check = WeightEqualityCheck(mode, skip)  # type: ignore[arg-type]
+            self._check.adapter = self.adapter
 
     def _abort(self) -> None:
         """After a failed update, before the rest of the stream is drained (e.g. wait for writes in flight)."""

@@ -53,6 +53,8 @@ class ColocatedOptions(TransportOptions):
 class ColocatedTransport(BucketedTransport):
     """``miles.interfaces.Transport`` through safetensors files in a directory trainer and engines share."""
 
+    carries_adapters = True  # a LoRA update is named tensors like any other
+
     # Trainer and engines share the devices (the trainer is offloaded while they generate), and the
     # hand-off directory is on this machine.
     needs = TransportNeeds(placement="colocated", launched_engines=True, receiver="handoff-files")

@@ -44,12 +44,17 @@ class WeightEqualityCheck:
         self.skip = frozenset(skip)
         self.engine_dtypes: list[dict[str, str]] = []
         self.sent: dict[str, dict[str, str]] = {}  # name -> {engine dtype: digest}
+        # A LoRA update: only this adapter's tensors are randomised and compared (the base is not sent).
+        self.adapter: str | None = None
+
+    def _scope(self) -> dict[str, str]:
+        return {} if self.adapter is None else {"lora_name": self.adapter}
 
     def prepare(self, engines: EngineFanout, *, randomize: bool = True) -> None:
         """Randomise the engines' tensors (unless the update needs them as its base) and learn their dtypes."""
         if randomize:
-            engines.call_all("weights_checker", "reset_tensors", skip=sorted(self.skip))
-        answers = engines.call_all("weights_checker", "checksum", skip=sorted(self.skip))
+            engines.call_all("weights_checker", "reset_tensors", skip=sorted(self.skip), **self._scope())
+        answers = engines.call_all("weights_checker", "checksum", skip=sorted(self.skip), **self._scope())
         self.engine_dtypes = [{name: info["dtype"] for name, info in answer.items()} for answer in answers]
 
     def observe(
@@ -69,7 +74,7 @@ class WeightEqualityCheck:
 
     def verify(self, engines: EngineFanout) -> int:
         """Compare every engine's tensors with what was sent; returns the number of tensors compared."""
-        answers = engines.call_all("weights_checker", "checksum", skip=sorted(self.skip))
+        answers = engines.call_all("weights_checker", "checksum", skip=sorted(self.skip), **self._scope())
         compared = 0
         for url, answer in zip(engines.urls, answers, strict=True):
             wrong: list[str] = []

@@ -176,6 +176,7 @@ class EngineFleet:
     ) -> None:
         self.urls = urls
         self.transport_options = transport_options
+        self.lora_path: str | None = None  # a LoRA run: the adapter every generate request names
         self.launcher = launcher
         self.settings = settings
         self.work_dir = work_dir
@@ -237,7 +238,11 @@ class EngineFleet:
 
     def clients(self) -> list[EngineClient]:
         """A client per engine, of the engine kind's own client class, for the calling event loop."""
-        return [self.launcher.client(url) for url in self.urls]
+        clients = [self.launcher.client(url) for url in self.urls]
+        for client in clients:
+            if self.lora_path is not None and hasattr(client, "lora_path"):
+                client.lora_path = self.lora_path  # rollouts generate with the run's LoRA adapter
+        return clients
 
     def update_weights(self, backend: Any, version: int) -> TransportStats:
         """``backend.update_weights(version)``, then every engine must serve ``version``.
@@ -698,6 +703,7 @@ def engine_fleet(config: MilesConfig, model_path: str, log_dir: str, work_dir: s
         config, model_path, log_dir, work_dir, on_launched=lambda launcher: launched.update(launcher=launcher)
     ) as (urls, transport_options):
         fleet = EngineFleet(urls, transport_options, launched.get("launcher"), settings, work_dir)
+        fleet.lora_path = config.lora.name if config.lora is not None else None
         fleet.start()
         try:
             yield fleet

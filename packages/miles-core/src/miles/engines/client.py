@@ -103,8 +103,12 @@ def generate_call(
     rid: str | None = None,
     return_routed_experts: bool = False,
     data_parallel_rank: int | None = None,
+    lora_path: str | None = None,
 ) -> EngineCall:
     """The ``/generate`` body for one prompt of token ids.
+
+    ``lora_path`` names a LoRA adapter the engine has loaded (``/load_lora_adapter``); the request
+    is generated with it applied to the base (SGLang's field of the same name). Sent only when given.
 
     ``data_parallel_rank`` pins the request to one data-parallel rank of an engine that has
     several (SGLang's ``GenerateReqInput.data_parallel_rank``; a router picks it so that a
@@ -119,6 +123,8 @@ def generate_call(
         body["rid"] = rid
     if return_routed_experts:
         body["return_routed_experts"] = True
+    if lora_path is not None:
+        body["lora_path"] = str(lora_path)
     if data_parallel_rank is not None:
         if (
             isinstance(data_parallel_rank, bool)
@@ -287,8 +293,19 @@ def update_from_disk_delta_call(version: int, weight_version: int | str | None =
     return EngineCall("POST", "/update_weights_from_disk_delta", _with_version(body, weight_version))
 
 
+def load_lora_adapter_call(lora_name: str, lora_path: str) -> EngineCall:
+    """SGLang's ``/load_lora_adapter``: load the peft adapter directory ``lora_path`` as ``lora_name``."""
+    return EngineCall(
+        "POST", "/load_lora_adapter", {"lora_name": str(lora_name), "lora_path": str(lora_path)}
+    )
+
+
+def unload_lora_adapter_call(lora_name: str) -> EngineCall:
+    return EngineCall("POST", "/unload_lora_adapter", {"lora_name": str(lora_name)})
+
+
 def weights_checker_call(
-    action: str, skip: Sequence[str] | None = None, seed: int | None = None
+    action: str, skip: Sequence[str] | None = None, seed: int | None = None, lora_name: str | None = None
 ) -> EngineCall:
     if action not in CHECKER_ACTIONS:
         raise EngineError(f"weights_checker: action {action!r} is not one of {CHECKER_ACTIONS}")
@@ -297,6 +314,8 @@ def weights_checker_call(
         body["skip"] = [str(n) for n in skip]
     if seed is not None:
         body["seed"] = int(seed)
+    if lora_name is not None:
+        body["lora_name"] = str(lora_name)  # a Miles extension: only that adapter's tensors
     return EngineCall("POST", "/weights_checker", body)
 
 
@@ -632,11 +651,14 @@ class SGLangClient:
         *,
         moe_num_layers: int | None = None,
         moe_topk: int | None = None,
+        lora_path: str | None = None,
     ) -> None:
         self.url = normalize_url(url)
         self.timeout = timeout
         self.moe_num_layers = moe_num_layers
         self.moe_topk = moe_topk
+        # The LoRA adapter every generate request of this client asks for (None: the base model).
+        self.lora_path = lora_path
         self._http: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -692,6 +714,7 @@ class SGLangClient:
             rid=rid,
             return_routed_experts=return_routed_experts,
             data_parallel_rank=data_parallel_rank,
+            lora_path=self.lora_path,
         )
         data = await self.call(call)
         return parse_generate_response(
@@ -862,10 +885,21 @@ class SGLangClient:
         return await self.call(update_from_disk_delta_call(version, weight_version))
 
     async def weights_checker(
-        self, action: str, skip: Sequence[str] | None = None, *, seed: int | None = None
+        self,
+        action: str,
+        skip: Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+        lora_name: str | None = None,
     ) -> dict[str, Any]:
         """``reset_tensors`` (answer lists ``reset`` / ``untouched``) or ``checksum`` ({name: {dtype, shape, digest}})."""
-        return await self.call(weights_checker_call(action, skip, seed))
+        return await self.call(weights_checker_call(action, skip, seed, lora_name))
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        return await self.call(load_lora_adapter_call(lora_name, lora_path))
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return await self.call(unload_lora_adapter_call(lora_name))
 
 
 class SyncEngineClient:
@@ -913,6 +947,7 @@ class SyncEngineClient:
         rid: str | None = None,
         return_routed_experts: bool = False,
         data_parallel_rank: int | None = None,
+        lora_path: str | None = None,
     ) -> GenerateOutput:
         """Blocking :meth:`SGLangClient.generate`."""
         data = self.call(
@@ -922,6 +957,7 @@ class SyncEngineClient:
                 rid=rid,
                 return_routed_experts=return_routed_experts,
                 data_parallel_rank=data_parallel_rank,
+                lora_path=lora_path,
             )
         )
         return parse_generate_response(
@@ -1061,9 +1097,21 @@ class SyncEngineClient:
         return self.call(update_from_disk_delta_call(version, weight_version))
 
     def weights_checker(
-        self, action: str, skip: Sequence[str] | None = None, *, seed: int | None = None
+        self,
+        action: str,
+        skip: Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+        lora_name: str | None = None,
     ) -> dict[str, Any]:
-        return self.call(weights_checker_call(action, skip, seed))
+        return self.call(weights_checker_call(action, skip, seed, lora_name))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load the peft adapter directory ``lora_path`` as ``lora_name`` (SGLang's /load_lora_adapter)."""
+        return self.call(load_lora_adapter_call(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return self.call(unload_lora_adapter_call(lora_name))
 
 
 def call_engine(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from miles.engines.embedded.lora import LoraError, LoraServing
 from miles.engines.embedded.prefix_cache import PrefixCache
 from miles.engines.embedded.routing import RoutingRecorder
 from miles.engines.embedded.sampler import GenRequest, Runner, cache_is_mergeable
@@ -183,7 +184,43 @@ class EmbeddedEngine:
             on_change=self.scheduler.flush_prefix_cache,
             handoff_dir=options.handoff_dir,
             update_timeout_s=options.update_timeout_s,
+            on_commit=self._on_commit,
         )
+        # LoRA adapters by name, applied per row without merging; the paged path has none.
+        self.lora: LoraServing | None = None
+        if self.paged is None:
+            self.lora = LoraServing(model, self.weights, self.scheduler.step_lock)
+            runner.lora = self.lora
+
+    # ------------------------------------------------------------- LoRA
+
+    def _on_commit(self, names: Sequence[str], version: str) -> None:
+        if self.lora is not None:
+            self.lora.on_commit(names, version)
+
+    def _lora(self) -> LoraServing:
+        if self.lora is None:
+            raise LoraError(
+                "LoRA adapters are served on the DynamicCache path only; start the engine with --kv-cache dynamic"
+            )
+        return self.lora
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        adapter = self._lora().load(name, path)
+        log.info(
+            "loaded LoRA adapter %r from %s (rank %d, %d modules)",
+            name,
+            path,
+            adapter.rank,
+            len(adapter.factors),
+        )
+        return {"name": name, "rank": adapter.rank, "modules": len(adapter.factors)}
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._lora().unload(name)
+
+    def lora_tensor_names(self, name: str) -> list[str]:
+        return self._lora().tensor_names(name)
 
     # ------------------------------------------------------------- KV path
 
@@ -325,6 +362,7 @@ class EmbeddedEngine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         token_ids_logprob: list[int] | list[list[int]] | None = None,
+        lora: str | None = None,
     ) -> GenRequest:
         """Validate one ``/generate`` request (ValueError: a 400 naming the problem) and build it."""
         if (input_ids is None) == (text is None):
@@ -347,8 +385,11 @@ class EmbeddedEngine:
             scoring = self._scoring_fields(
                 n, max_new_tokens, logprob_start_len, top_logprobs_num, token_ids_logprob
             )
+        if lora is not None:
+            self._lora().check_name(lora)
         stops = set(stop_token_ids) | (set() if ignore_eos else self.eos_ids)
         return GenRequest(
+            lora=lora,
             rid=rid or uuid.uuid4().hex,
             prompt_ids=list(input_ids),
             max_new_tokens=max_new_tokens,
@@ -476,6 +517,9 @@ class EmbeddedEngine:
             # a weight update carries both), so staleness is measured from the oldest token.
             "output_token_weight_versions": list(req.output_versions),
         }
+        if req.lora is not None:
+            meta["lora_path"] = req.lora
+            meta["lora_weight_version"] = self._adapter_version(req.lora)
         if req.return_logprob:
             meta["output_token_logprobs"] = self._triples(
                 list(req.output_logprobs), list(req.output_ids), return_text_in_logprobs
@@ -494,6 +538,10 @@ class EmbeddedEngine:
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ------------------------------------------------------------------ info
+
+    def _adapter_version(self, name: str) -> str | None:
+        adapter = self.lora.adapters.get(name) if self.lora is not None else None
+        return adapter.version if adapter is not None else None
 
     def model_info(self) -> dict[str, Any]:
         moe = None
@@ -551,6 +599,7 @@ class EmbeddedEngine:
             "kv_pool": self._pool_info(),
             # None when disabled (prefix_cache_tokens 0, or a model whose caches cannot be merged).
             "prefix_cache": cache.describe() if cache is not None else None,
+            "lora_adapters": self.lora.describe() if self.lora is not None else None,
             "torch_threads": torch.get_num_threads(),
             "pid": os.getpid(),
             "weight_version": self.weight_version,

@@ -44,6 +44,7 @@ cache, so that no more logits than the budget are alive at once. A request with
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ import torch
 from torch.nn import functional as F
 
 if TYPE_CHECKING:
+    from miles.engines.embedded.lora import LoraServing
     from miles.engines.embedded.prefix_cache import KVLayers, PrefixHit
     from miles.engines.embedded.routing import RoutingRecorder
 
@@ -72,6 +74,7 @@ class GenRequest:
     top_k: int = -1
     stop_ids: frozenset[int] = frozenset()
     seed: int | None = None
+    lora: str | None = None  # the LoRA adapter this request generates with (None: the base)
     return_logprob: bool = True
     return_routed_experts: bool = False
     routed_start: int = 0  # first position whose routing is returned
@@ -302,6 +305,7 @@ class Runner:
         self.model = model
         self.device = device
         self.max_context = max_context
+        self.lora: LoraServing | None = None  # set by the engine (not on the paged path)
         self.recorder = recorder if recorder is not None and recorder.is_moe else None
         head = model.get_output_embeddings()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -330,15 +334,22 @@ class Runner:
         recorder = self.recorder if any(r.return_routed_experts for r in rows) else None
         if recorder is not None:
             recorder.start()
+        adapters = [r.lora for r in rows]
+        lora = (
+            self.lora.rows(adapters)
+            if self.lora is not None and any(a is not None for a in adapters)
+            else contextlib.nullcontext()
+        )
         try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=keep,
-            )
+            with lora:
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
         finally:
             routing = recorder.stop(*input_ids.shape) if recorder is not None else None
         return out.logits, routing

@@ -318,7 +318,8 @@ class Scheduler:
         for row in rows:
             tokens = row.sequence
             hit = None
-            if cache is not None:
+            # KV computed with a LoRA adapter differs from the base's: adapter rows neither reuse nor store.
+            if cache is not None and row.lora is None:
                 row.kv_generation = cache.generation
                 # At least the last token is fed: its logits give the next token.
                 limit = len(tokens) - 1
@@ -340,6 +341,8 @@ class Scheduler:
         """Keep finished row ``i``'s KV in the prefix cache, when it is complete and current."""
         row, cache = batch.rows[i], self.prefix_cache
         if cache is None or row.error is not None or row.kv_generation != cache.generation:
+            return
+        if row.lora is not None:  # adapter KV must never serve a base (or another adapter's) request
             return
         if row.finish is None or row.finish.get("type") not in ("stop", "length"):
             return

@@ -140,6 +140,9 @@ class GenerateBody(_Body):
         "returned input position (n - logprob_start_len lists), for scoring calls (max_new_tokens 0)",
     )
     rid: str | None = None
+    lora_path: str | None = Field(
+        None, description="the name of a loaded LoRA adapter to generate with (SGLang); null: the base model"
+    )
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(
         0, ge=0, description="first consumed position whose routing is returned (0: the whole sequence)"
@@ -273,6 +276,18 @@ class WeightsCheckerBody(_Body):
     action: Literal["reset_tensors", "checksum"]
     skip: list[str] = Field(default_factory=list, description="state-dict names to leave alone / leave out")
     seed: int = Field(0, description="reset_tensors: seed of the random values")
+    lora_name: str | None = Field(
+        None, description="Miles extension: only this loaded LoRA adapter's tensors (the base is left alone)"
+    )
+
+
+class LoadLoraBody(_Body):
+    lora_name: str = Field(..., min_length=1, description="the name requests use (lora_path on /generate)")
+    lora_path: str = Field(..., min_length=1, description="a peft adapter directory on the engine's machine")
+
+
+class UnloadLoraBody(_Body):
+    lora_name: str = Field(..., min_length=1)
 
 
 # ------------------------------------------------------------------- app
@@ -297,6 +312,7 @@ def create_app(engine: Any, receivers: InstalledReceivers | None = None) -> Fast
 
     ``receivers``: the transports' receivers to mount (default: every installed one).
     """
+    from miles.engines.embedded.lora import LoraError
     from miles.engines.embedded.weights import WeightUpdateError
 
     @contextlib.asynccontextmanager
@@ -347,6 +363,7 @@ def create_app(engine: Any, receivers: InstalledReceivers | None = None) -> Fast
                 logprob_start_len=body.logprob_start_len,
                 top_logprobs_num=body.top_logprobs_num,
                 token_ids_logprob=body.token_ids_logprob,
+                lora=body.lora_path,
             )
         except ValueError as exc:
             return _gen_error(str(exc))
@@ -581,16 +598,35 @@ def create_app(engine: Any, receivers: InstalledReceivers | None = None) -> Fast
     )
     async def weights_checker(body: WeightsCheckerBody) -> Any:
         try:
+            only = None if body.lora_name is None else engine.lora_tensor_names(body.lora_name)
             if body.action == "checksum":
-                return await asyncio.to_thread(engine.weights.checksums, body.skip)
-            reset, untouched = await asyncio.to_thread(engine.weights.reset_tensors, body.skip, body.seed)
-        except WeightUpdateError as exc:
+                return await asyncio.to_thread(engine.weights.checksums, body.skip, only)
+            reset, untouched = await asyncio.to_thread(
+                engine.weights.reset_tensors, body.skip, body.seed, only
+            )
+        except (WeightUpdateError, LoraError) as exc:
             return _fail(f"weights_checker {body.action}: {exc}")
         return _ok(
             f"Filled {len(reset)} tensors with random values (seed {body.seed}); left {len(untouched)} alone.",
             reset=reset,
             untouched=untouched,
         )
+
+    @app.post("/load_lora_adapter", summary="Load a peft LoRA adapter directory under a name (SGLang)")
+    async def load_lora_adapter(body: LoadLoraBody) -> Any:
+        try:
+            info = await asyncio.to_thread(engine.load_lora_adapter, body.lora_name, body.lora_path)
+        except LoraError as exc:
+            return _fail(f"load_lora_adapter: {exc}")
+        return _ok(f"Loaded LoRA adapter {body.lora_name!r}.", adapter=info)
+
+    @app.post("/unload_lora_adapter", summary="Forget a loaded LoRA adapter (SGLang)")
+    async def unload_lora_adapter(body: UnloadLoraBody) -> Any:
+        try:
+            await asyncio.to_thread(engine.unload_lora_adapter, body.lora_name)
+        except LoraError as exc:
+            return _fail(f"unload_lora_adapter: {exc}")
+        return _ok(f"Unloaded LoRA adapter {body.lora_name!r}.")
 
     _mount_receivers(app, engine, installed_receivers() if receivers is None else receivers)
     return app

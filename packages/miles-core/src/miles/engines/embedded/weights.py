@@ -181,6 +181,7 @@ class WeightUpdater:
         handoff_dir: str | None = None,
         update_timeout_s: float = 300.0,
         on_change: Callable[[], object] | None = None,
+        on_commit: Callable[[Sequence[str], str], object] | None = None,
     ) -> None:
         if update_timeout_s <= 0:
             raise ValueError(f"update_timeout_s must be > 0, got {update_timeout_s}")
@@ -196,6 +197,7 @@ class WeightUpdater:
         self._get_version = get_version
         self._set_version = set_version
         self._on_change = on_change
+        self._on_commit = on_commit  # (names written, version) after an update with a version commits
         self._staged: _StagedUpdate | None = None
         self._dropped: str | None = None  # why a staged update was dropped without telling its sender
         self._timer: threading.Timer | None = None
@@ -251,6 +253,27 @@ class WeightUpdater:
             self.apply(tensors)
             if weight_version is not None:
                 self._set_version(weight_version)
+                if self._on_commit is not None:
+                    self._on_commit(list(tensors), weight_version)
+
+    # ------------------------------------------------------- named extras
+
+    def add_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Make more tensors (a LoRA adapter's) updatable and checkable by name. The caller holds
+        ``lock`` and the step lock."""
+        clash = sorted(n for n in tensors if n in self.targets)
+        if clash:
+            raise WeightUpdateError(f"tensor names {clash[:3]} are already the model's")
+        for name, t in tensors.items():
+            self.targets[name] = self.unique[name] = t
+            self.canonical[name] = name
+
+    def remove_tensors(self, names: Iterable[str]) -> None:
+        """Forget tensors :meth:`add_tensors` added (the caller holds ``lock`` and the step lock)."""
+        for name in names:
+            self.targets.pop(name, None)
+            self.unique.pop(name, None)
+            self.canonical.pop(name, None)
 
     # --------------------------------------------------------- whole updates
 
@@ -415,8 +438,10 @@ class WeightUpdater:
             )
         return {self.canonical[n] for n in skip}
 
-    def reset_tensors(self, skip: Sequence[str] = (), seed: int = 0) -> tuple[list[str], list[str]]:
-        """Fill every floating-point tensor not in ``skip`` with standard-normal noise from ``seed``.
+    def reset_tensors(
+        self, skip: Sequence[str] = (), seed: int = 0, only: Sequence[str] | None = None
+    ) -> tuple[list[str], list[str]]:
+        """Fill every floating-point tensor not in ``skip`` (of ``only``, when given) with noise from ``seed``.
 
         Returns ``(reset, untouched)`` names. The weight version is left as it is. Meant
         for the weight-equality check: a later update that misses a tensor leaves noise.
@@ -428,6 +453,8 @@ class WeightUpdater:
         with self.lock, self._step_lock, torch.no_grad():
             try:
                 for name, tensor in self.unique.items():
+                    if only is not None and name not in only:
+                        continue
                     if name in skipped or not tensor.is_floating_point():
                         untouched.append(name)
                         continue
@@ -438,7 +465,9 @@ class WeightUpdater:
         log.warning("weights checker: %d tensors filled with random values (seed %d)", len(reset), seed)
         return reset, untouched
 
-    def checksums(self, skip: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    def checksums(
+        self, skip: Sequence[str] = (), only: Sequence[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """``{name: {dtype, shape, digest}}`` of every state-dict tensor not in ``skip`` (tied ones once)."""
         from miles.engines.digest import tensor_digest
 
@@ -447,7 +476,7 @@ class WeightUpdater:
             return {
                 name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "digest": tensor_digest(t)}
                 for name, t in self.unique.items()
-                if name not in skipped
+                if name not in skipped and (only is None or name in only)
             }
 
     # ----------------------------------------------------------------- disk

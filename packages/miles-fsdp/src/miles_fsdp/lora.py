@@ -1,0 +1,185 @@
+"""LoRA on the FSDP backend: a ``peft`` adapter over the frozen policy.
+
+* :func:`check_targets` refuses target modules the model does not have (before any rank starts:
+  the model is built on the meta device, so nothing is loaded);
+* :func:`wrap` turns the loaded policy into a ``peft`` model whose only trainable parameters are
+  the adapter's;
+* :func:`iter_adapter_tensors` is the weight update's stream: only the adapter, under the names an
+  engine holds it by (``<module>.lora_A.<adapter>.weight``, see ``miles.engines.embedded.lora``);
+* :func:`save_adapter` writes a ``peft`` adapter directory (``PeftModel.from_pretrained`` loads it);
+* :func:`base_reference` names the base a checkpoint was trained on (path and content digest), so
+  a resume on another base is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from miles.config.schema import LoraSection
+from miles.errors import ConfigError, ModelError
+
+PEFT_ADAPTER = "default"  # the adapter name inside the trainer's peft model
+_PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def section(config: dict[str, Any] | None) -> LoraSection | None:
+    """The run's ``lora`` section (None: full-parameter training)."""
+    raw = (config or {}).get("lora")
+    return None if raw is None else LoraSection.model_validate(raw)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Every ``nn.Linear`` in the model, by its module path."""
+    return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name]
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def check_targets(model_path: str, lora: LoraSection) -> list[str]:
+    """The module paths the adapter covers; unknown targets are refused with the model's linear names."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linears = linear_module_names(model)
+    unknown = [t for t in lora.target_modules if not any(_matches(n, t) for n in linears)]
+    if unknown:
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        raise ConfigError(
+            f"lora.target_modules {unknown} match no linear module of {type(model).__name__}; its linear "
+            f"modules are {kinds} (full paths such as {linears[0]!r})"
+        )
+    return [n for n in linears if any(_matches(n, t) for t in lora.target_modules)]
+
+
+def wrap(model: nn.Module, lora: LoraSection) -> nn.Module:
+    """The policy as a ``peft`` LoRA model: base frozen, adapter trainable (B starts at zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, takes any number
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config, adapter_name=PEFT_ADAPTER)
+    return peft_model
+
+
+def engine_name(peft_name: str, adapter: str) -> str:
+    """``base_model.model.model.layers.0.q_proj.lora_A.default.weight`` -> ``model.layers.0.q_proj.lora_A.<adapter>.weight``."""
+    name = peft_name.removeprefix(_PEFT_PREFIX)
+    return name.replace(f".{PEFT_ADAPTER}.", f".{adapter}.")
+
+
+def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and ".lora_" in n]
+
+
+def iter_adapter_tensors(model: nn.Module, adapter: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter's full tensors under engine names. A collective: every rank drains it in order."""
+    for name, param in adapter_parameters(model):
+        t = param.detach()
+        yield engine_name(name, adapter), t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def save_adapter(directory: str, model: nn.Module, lora: LoraSection, base_path: str, write: bool) -> None:
+    """Write a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    A collective (the tensors are gathered on every rank); only ``write`` (rank 0) writes.
+    """
+    from safetensors.torch import save_file
+
+    tensors = {
+        name.removeprefix(_PEFT_PREFIX).replace(f".{PEFT_ADAPTER}.", "."): t.detach().cpu().contiguous()
+        for name, t in (
+            (n, p.full_tensor() if isinstance(p, DTensor) else p) for n, p in adapter_parameters(model)
+        )
+    }
+    if not write:
+        return
+    os.makedirs(directory, exist_ok=True)
+    peft_config: Any = model.peft_config[PEFT_ADAPTER]  # type: ignore[index]
+    config = peft_config.to_dict()
+    config["base_model_name_or_path"] = os.path.abspath(base_path)
+    config["target_modules"] = sorted(config["target_modules"])
+    config["inference_mode"] = True
+    with open(os.path.join(directory, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, default=str)
+    save_file(
+        {f"{_PEFT_PREFIX}{k}": v for k, v in tensors.items()},
+        os.path.join(directory, "adapter_model.safetensors"),
+    )
+
+
+def base_reference(model_path: str) -> dict[str, str]:
+    """The base a LoRA checkpoint belongs to: its path and an xxh3-128 digest of its config and weights."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    names = sorted(
+        n for n in os.listdir(model_path) if n == "config.json" or n.endswith((".safetensors", ".bin"))
+    )
+    for name in names:
+        h.update(name.encode())
+        with open(os.path.join(model_path, name), "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return {"path": os.path.abspath(model_path), "digest": h.hexdigest()}
+
+
+def check_same_base(saved: dict[str, str] | None, model_path: str, checkpoint: str) -> None:
+    """Refuse resuming a LoRA checkpoint on another base model (or a full checkpoint as LoRA)."""
+    if saved is None:
+        raise ModelError(
+            f"checkpoint {checkpoint} holds no LoRA adapter (it was written by a full-parameter run); "
+            "resume it without a lora section"
+        )
+    current = base_reference(model_path)
+    if saved.get("digest") != current["digest"]:
+        raise ModelError(
+            f"checkpoint {checkpoint} holds a LoRA adapter trained on base {saved.get('path')!r} "
+            f"(digest {saved.get('digest')}), but this run's base {current['path']!r} has digest "
+            f"{current['digest']}; resume on the same base model"
+        )
+
+
+# Transports whose engines can receive an adapter by name (the others say so with ``carries_adapters``).
+CARRYING_TRANSPORTS = ("broadcast", "colocated")
+
+
+def transport_refusal(transport: str) -> str:
+    return (
+        f"lora: transport {transport!r} cannot carry a LoRA adapter (p2p and disk-delta move whole base "
+        f"tensors); use one of {list(CARRYING_TRANSPORTS)}"
+    )
+
+
+def check_checkpoint(directory: str, spec: Any) -> None:
+    """Refuse a resume that mixes LoRA and full checkpoints, or a LoRA checkpoint of another base."""
+    from miles_fsdp.checkpoint import STATE_FILE
+
+    with open(os.path.join(directory, STATE_FILE), encoding="utf-8") as f:
+        saved = json.load(f).get("lora")
+    current = section(spec.config)
+    if current is None:
+        if saved is not None:
+            raise ModelError(
+                f"checkpoint {directory} holds a LoRA adapter ({saved.get('name')!r}); resume it with its "
+                "lora section"
+            )
+        return
+    check_same_base(None if saved is None else saved.get("base"), spec.model_path, directory)

@@ -1,0 +1,79 @@
+"""Helpers for the LoRA tests: peft adapters with non-zero factors, merged references, submits."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def make_adapter(
+    base: Path, dest: Path, *, seed: int, rank: int, targets: list[str], alpha: float = 8.0
+) -> Path:
+    """A peft LoRA adapter of ``base`` saved with peft itself; both factors random (B is not zero)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, task_type="CAUSAL_LM")
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    peft_model.save_pretrained(dest)
+    return dest
+
+
+def merged_model(base: Path, adapter: Path | None) -> Any:
+    """The reference: the base with the adapter merged into its weights by peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is None:
+        return model
+    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+
+
+def forward_logprobs(model: Any, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(output)]
+
+
+def submit_all(
+    engine: Any, jobs: list[tuple[list[int], str | None]], *, max_new_tokens: int = 6
+) -> list[Any]:
+    """Submit every (prompt, adapter) at once (greedy, log-probs) and wait for every answer."""
+    done = threading.Semaphore(0)
+    reqs = []
+    for prompt, lora in jobs:
+        req = engine.make_request(
+            input_ids=prompt,
+            rid=None,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            stop_token_ids=[],
+            seed=None,
+            ignore_eos=True,
+            return_logprob=True,
+            return_routed_experts=False,
+            lora=lora,
+        )
+        req.on_done = lambda r: done.release()
+        reqs.append(req)
+    for r in reqs:
+        engine.scheduler.submit(r)
+    for _ in reqs:
+        assert done.acquire(timeout=60)
+    for r in reqs:
+        assert r.error is None, r.error
+    return reqs
