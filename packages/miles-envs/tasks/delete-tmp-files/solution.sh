@@ -1,0 +1,3 @@
+#!/bin/sh
+set -e
+find work -name '*.tmp' -type f -delete

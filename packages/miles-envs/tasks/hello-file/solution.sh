@@ -1,0 +1,3 @@
+#!/bin/sh
+set -e
+printf 'Hello, world!\n' > hello.txt

@@ -1,0 +1,3 @@
+#!/bin/sh
+set -e
+ls -S data | head -n 1 > largest.txt

@@ -1,0 +1,3 @@
+#!/bin/sh
+set -e
+mkdir -p project/src project/tests && : > project/README.md

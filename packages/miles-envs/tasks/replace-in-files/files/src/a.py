@@ -1,0 +1,2 @@
+foo = 1
+print(foo)
