@@ -147,8 +147,8 @@ def test_unknown_command_suggests_the_closest() -> None:
     result = _invoke("plugin")
     assert result.exit_code == 2
     assert (
-        "No such command 'plugin'. Did you mean 'plugins'? Commands: check-family, config, models, plugins, recipes, run."
-        in result.output
+        "No such command 'plugin'. Did you mean 'plugins'? Commands: check-family, config, engine, models, plugins, recipes, replay, report, "
+        "run." in result.output
     )
 
 

@@ -111,19 +111,18 @@ def test_the_console_prints_where_the_time_went_at_the_end_of_the_run():
 
     from rich.console import Console
 
+    from miles.tracking.base import NoOptions, TrackerContext
     from miles.tracking.console import ConsoleTracker
 
     buf = io.StringIO()
-    tracker = ConsoleTracker(2, console=Console(file=buf, width=120, force_terminal=False))
-    try:
-        for step in range(2):
-            tracker.miles_on_metrics(
-                step,
-                {"time/step_s": 4.0, "time/rollout_s": 3.0, "time/train_step_s": 0.5, "time/other_s": 0.5},
-            )
-        tracker.miles_on_run_end(run_dir="unused", status="completed")
-    finally:
-        tracker.close()
+    ctx = TrackerContext(run_dir="unused", run_name="t", num_steps=2, first_step=0)
+    tracker = ConsoleTracker(ctx, NoOptions(), console=Console(file=buf, width=120, force_terminal=False))
+    for step in range(2):
+        tracker.log(
+            step,
+            {"time/step_s": 4.0, "time/rollout_s": 3.0, "time/train_step_s": 0.5, "time/other_s": 0.5},
+        )
+    tracker.close("completed")
     out = buf.getvalue()
     assert "where the time went (2 steps)" in out
     assert "rollout" in out and "75.0%" in out and "12.5%" in out

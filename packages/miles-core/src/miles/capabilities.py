@@ -127,8 +127,9 @@ class NoOptions(ComponentOptions):
 # keyword arguments: a rollout or generate function reads ``rollout.options`` (RolloutContext.options),
 # an agent ``agentic.agent_options`` (AgentTask.options), a data source gets ``data.options`` as its
 # ``options`` argument, an engine kind ``engine.options`` in each EngineSpec. Their model describes
-# that mapping; every other kind's model describes the keyword arguments it is built with.
-MAPPING_OPTION_KINDS = frozenset({"rollout", "generate", "agent", "data_source", "engine"})
+# that mapping, and so does a tracker's (built as ``cls(ctx, options)``, miles.tracking.base); every
+# other kind's model describes the keyword arguments it is built with.
+MAPPING_OPTION_KINDS = frozenset({"rollout", "generate", "agent", "data_source", "engine", "tracker"})
 
 
 def declare_options(model: type[BaseModel]) -> Callable[[T], T]:

@@ -38,6 +38,7 @@ KIND_GROUPS: dict[str, str] = {
     "session_matcher": "miles.session_matchers",
     "agent": "miles.agents",
     "toolset": "miles.toolsets",
+    "tracker": "miles.trackers",
     # Engine-side halves of transports, mounted by the embedded engine (miles.engines.embedded.receivers).
     "engine_receiver": "miles.engine_receivers",
 }

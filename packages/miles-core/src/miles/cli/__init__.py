@@ -22,6 +22,9 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plugins": ("miles.cli.plugins:plugins", "List installed plugins: what they provide and their status."),
     "recipes": ("miles.cli.recipes:recipes", "List the recipes that can be run by name."),
     "models": ("miles.cli.models:models", "Built-in models (usable as model.path: builtin:NAME)."),
+    "report": ("miles.cli.report:report", "Plot a run's metrics into PNGs and one HTML page."),
+    "replay": ("miles.cli.replay:replay", "Replay a rollout dump: re-score it, or compare its log-probs."),
+    "engine": ("miles.cli.engine:engine", "Talk to a running engine: one raw /generate request."),
     "check-family": (
         "miles.cli.families:check_family",
         "Check that family NAME's rendering stays append-only from turn to turn (CPU).",

@@ -91,6 +91,7 @@ OPTION_KINDS = (
     "engine",
     "eval_backend",
     "toolset",
+    "tracker",
     "agent",
     "session_matcher",
 )
@@ -205,7 +206,27 @@ def option_slots(config: MilesConfig) -> list[OptionSlot]:
         if uses_session_server(config):  # the agent runs only behind the session server
             slot("agentic.agent_options", a.agent_options, ("agentic.agent", "agent", a.agent))
         slot("agentic.matcher_options", a.matcher_options, ("agentic.matcher", "session_matcher", a.matcher))
+    slots.extend(tracker_slots(config))
     return slots
+
+
+def tracker_slots(config: MilesConfig) -> list[OptionSlot]:
+    """``tracking.options.<name>`` of each tracker the run uses (a name may be an import path, with
+    dots: the key paths are built as tuples, not parsed)."""
+    from miles.tracking.registry import SWITCHES, selected_trackers
+
+    t = config.tracking
+    out = []
+    for name in selected_trackers(config):
+        where: KeyPath = (
+            ("tracking", name) if name in SWITCHES else ("tracking", "backends", t.backends.index(name))
+        )
+        out.append(
+            OptionSlot(
+                ("tracking", "options", name), (Owner(where, "tracker", name),), t.options.get(name, {})
+            )
+        )
+    return out
 
 
 def check_component_options(config: MilesConfig) -> None:

@@ -91,6 +91,11 @@ class RolloutSection(Section):
         default_factory=dict, description="options per post-processor, keyed by the name used above"
     )
     options: dict[str, Any] = Field(default_factory=dict)
+    dump: bool = Field(
+        False,
+        description="write every step's samples (tokens, text, rewards, log-probs, versions, status) to "
+        "rollouts/step_NNNNNN.jsonl in the run directory (docs/observability.md)",
+    )
 
     @model_validator(mode="after")
     def _options_name_postprocessors(self) -> RolloutSection:
@@ -489,6 +494,15 @@ class TrackingSection(Section):
     tensorboard: bool = True
     console: bool = True
     log_samples: int = Field(1, ge=0, description="example completions printed per step")
+    backends: list[str] = Field(
+        default_factory=list,
+        description="more trackers, by name (a miles.trackers entry point: wandb, mlflow, prometheus) "
+        "or import path; they receive the same metrics at the same steps as the switches above",
+    )
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="each tracker's options, by tracker name (checked against its model)",
+    )
     plot: bool | None = Field(
         None,
         description="draw reward_curve.png in the run directory when the run ends: true (matplotlib "

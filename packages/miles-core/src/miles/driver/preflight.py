@@ -20,6 +20,7 @@ from miles.config.schema import MilesConfig
 from miles.driver.components import Components, build_components
 from miles.driver.hooks import Hooks
 from miles.errors import ConfigError
+from miles.tracking.registry import check_trackers
 from miles.tracking.summaries import check_plot_requirements
 
 
@@ -45,6 +46,7 @@ def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
     hooks.miles_configure(config=config)
     # Every component's options against its model, with the file and line of each bad key.
     check_component_options(config)
+    check_trackers(config)  # each tracker's library is installed (a one-line install hint if not)
     check_plot_requirements(config)  # tracking.plot: true needs matplotlib, known now rather than at the end
     # Bad models and datasets fail here, before the run directory is touched.
     model_path = resolve_model(config.model.path)

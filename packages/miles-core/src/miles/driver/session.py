@@ -30,7 +30,7 @@ from miles.driver.start import RunStart
 from miles.driver.training import make_train_batch
 from miles.interfaces import Backend, RolloutContext
 from miles.run_dir import LoopState, RunDir
-from miles.tracking.jsonl import JsonlTracker
+from miles.tracking.registry import start_trackers
 from miles.tracking.timing import timed
 from miles.types import SamplingParams, TrainBatch
 
@@ -401,23 +401,8 @@ def _rollout_context(
 def _start_trackers(
     config: MilesConfig, run: RunDir, first_step: int, pm: Any, stack: contextlib.ExitStack
 ) -> dict[str, Any]:
-    trackers: dict[str, Any] = {}
-    t = config.tracking
-    if t.jsonl:
-        trackers["jsonl"] = JsonlTracker(run.sub("metrics.jsonl"))
-    if t.tensorboard:
-        from miles.tracking.tensorboard import TensorBoardTracker
-
-        trackers["tensorboard"] = TensorBoardTracker(run.sub("tensorboard"), purge_step=first_step or None)
-    if t.console:
-        from miles.tracking.console import ConsoleTracker
-
-        trackers["console"] = ConsoleTracker(config.run.num_steps, first_step, t.log_samples)
-    for name, tracker in trackers.items():
-        pm.register(tracker, name=f"tracker:{name}")
-        stack.callback(tracker.close)
-        stack.callback(pm.unregister, tracker)
-    return trackers
+    # The recipe's trackers (and the rollout dumper), each registered as a guarded hook plugin.
+    return start_trackers(config, run, first_step, pm, stack)
 
 
 def _tokenizer(model_path: str) -> Any:

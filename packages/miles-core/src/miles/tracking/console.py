@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from miles import hookimpl
+from miles.tracking.base import NoOptions, TrackerContext
 from miles.tracking.timing import TimeBreakdown
 from miles.types import Group
 
@@ -37,11 +40,17 @@ HEADLINE = (
 
 
 class ConsoleTracker:
+    """Also the rollout's progress bar and sample printer: the run asks the tracker named ``console``."""
+
+    Options = NoOptions
+    requires: ClassVar[tuple[str, ...]] = ()
+    install: ClassVar[str] = ""
+
     def __init__(
-        self, num_steps: int, first_step: int = 0, log_samples: int = 1, console: Console | None = None
+        self, ctx: TrackerContext, options: NoOptions | None = None, console: Console | None = None
     ) -> None:
         self.console = console or Console(stderr=True)
-        self.log_samples = log_samples
+        self.log_samples = ctx.log_samples
         self.breakdown = TimeBreakdown()
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
@@ -51,7 +60,7 @@ class ConsoleTracker:
             console=self.console,
             transient=False,
         )
-        self._steps = self.progress.add_task("steps", total=num_steps, completed=first_step)
+        self._steps = self.progress.add_task("steps", total=ctx.num_steps, completed=ctx.first_step)
         self._rollout = self.progress.add_task("rollout", total=1, visible=False)
         self.progress.start()
 
@@ -69,8 +78,7 @@ class ConsoleTracker:
                 f"reward={s.reward}[/dim] {s.response_text[:200]!r}"
             )
 
-    @hookimpl
-    def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         table = Table(title=f"step {step}", show_header=True, header_style="bold", box=None)
         table.add_column("metric")
         table.add_column("value", justify="right")
@@ -81,8 +89,11 @@ class ConsoleTracker:
         self.progress.advance(self._steps)
         self.breakdown.add(metrics)
 
-    @hookimpl
-    def miles_on_run_end(self, run_dir: str, status: str) -> None:
+    def close(self, status: str) -> None:
+        self.progress.stop()
+        self._print_breakdown()
+
+    def _print_breakdown(self) -> None:
         """Where the run's time went: every phase's total, per step, and share of the step time."""
         if not self.breakdown.steps:
             return
@@ -99,8 +110,7 @@ class ConsoleTracker:
             table.add_row(label, f"{seconds:.2f}", f"{mean:.3f}", f"{share:.1%}")
         self.console.print(table)
 
-    @hookimpl
-    def miles_on_eval(self, step: int, metrics: dict[str, float]) -> None:
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
         if metrics.get("eval/skipped"):
             self.console.print(f"[yellow]eval of step {step} skipped[/yellow]")
             return
@@ -109,6 +119,3 @@ class ConsoleTracker:
         self.console.print(
             f"[bold]eval[/bold] of step {step}: score {score:.4g} (arrived {delay:.0f} steps later)"
         )
-
-    def close(self) -> None:
-        self.progress.stop()

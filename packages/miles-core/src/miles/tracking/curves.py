@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("miles.tracking")
@@ -34,7 +34,11 @@ class Curves:
     series: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
 
     @classmethod
-    def from_rows(cls, rows: Iterable[dict[str, object]]) -> Curves:
+    def from_rows(
+        cls, rows: Iterable[dict[str, object]], keep: Callable[[str], bool] | None = None
+    ) -> Curves:
+        """The series of the metrics ``keep`` accepts (default: the reward curves drawn here)."""
+        keep = keep or _reward_curve
         curves = cls()
         for row in rows:
             step = row.get("step")
@@ -43,24 +47,40 @@ class Curves:
             for name, value in row.items():
                 if not isinstance(value, int | float) or isinstance(value, bool):
                     continue
-                if name in STEP_SERIES or (name.startswith("eval/") and name.endswith(EVAL_SUFFIX)):
+                if keep(name):
                     steps, values = curves.series.setdefault(name, ([], []))
                     steps.append(step)
                     values.append(float(value))
         return curves
 
     @classmethod
-    def from_jsonl(cls, path: str) -> Curves:
-        rows: list[dict[str, object]] = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    rows.append(json.loads(line))
-        return cls.from_rows(rows)
+    def from_jsonl(cls, path: str, keep: Callable[[str], bool] | None = None) -> Curves:
+        return cls.from_rows(read_rows(path), keep)
 
     def names(self) -> Sequence[str]:
         return sorted(self.series)
+
+
+def _reward_curve(name: str) -> bool:
+    return name in STEP_SERIES or (name.startswith("eval/") and name.endswith(EVAL_SUFFIX))
+
+
+def read_rows(path: str) -> list[dict[str, object]]:
+    """The rows of a metrics file. A running run may be mid-write: a last line without its newline
+    (or one that does not parse) is left for the next read."""
+    rows: list[dict[str, object]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
 
 
 def matplotlib_available() -> bool:

@@ -1,22 +1,32 @@
-"""Metrics as one JSON object per step, appended and flushed as each step ends."""
+"""Metrics as one JSON object per step in ``metrics.jsonl``, appended and flushed as each step ends.
+
+The file is the run's record: ``miles report``, the time table and the resume logic read it.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Mapping
+from typing import ClassVar
 
-from miles import hookimpl
+from miles.tracking.base import NoOptions, TrackerContext
+
+METRICS_FILE = "metrics.jsonl"
 
 
 class JsonlTracker:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+    Options = NoOptions
+    requires: ClassVar[tuple[str, ...]] = ()
+    install: ClassVar[str] = ""
 
-    @hookimpl
-    def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def __init__(self, ctx: TrackerContext, options: NoOptions | None = None) -> None:
+        self.path = os.path.join(ctx.run_dir, METRICS_FILE)
+        os.makedirs(ctx.run_dir, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {
             "step": step,
             **{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()},
@@ -24,7 +34,10 @@ class JsonlTracker:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Evaluations have their own file (``eval.jsonl``, written by the evaluator)."""
+
+    def close(self, status: str) -> None:
         self._file.close()
 
 

@@ -1,35 +1,35 @@
-"""Metrics as TensorBoard event files (needs the ``tracking`` extra)."""
+"""Metrics as TensorBoard event files under ``tensorboard/`` (needs the ``tracking`` extra)."""
 
 from __future__ import annotations
 
-from miles import hookimpl
-from miles.errors import ConfigError
+import os
+from collections.abc import Mapping
+from typing import ClassVar
+
+from miles.tracking.base import NoOptions, TrackerContext
 
 
 class TensorBoardTracker:
-    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # tensorboard itself is missing
-            raise ConfigError(
-                "tracking.tensorboard is on but the tensorboard package is not installed; "
-                "install miles-core[tracking] or set tracking.tensorboard=false"
-            ) from exc
-        self.log_dir = log_dir
+    Options = NoOptions
+    requires: ClassVar[tuple[str, ...]] = ("tensorboard",)
+    install: ClassVar[str] = "miles-core[tracking]"
+
+    def __init__(self, ctx: TrackerContext, options: NoOptions | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = os.path.join(ctx.run_dir, "tensorboard")
         # A resumed run redoes the steps after its checkpoint: purge_step tells TensorBoard to drop
         # the earlier attempt's events from that step on, so no step appears twice.
-        self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+        self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=ctx.first_step or None)
 
-    @hookimpl
-    def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
             if isinstance(value, int | float):
                 self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
-    @hookimpl
-    def miles_on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.miles_on_metrics(step, metrics)  # plotted at the step it measured, whenever it arrived
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.log(step, metrics)  # plotted at the step it measured, whenever it arrived
 
-    def close(self) -> None:
+    def close(self, status: str) -> None:
         self._writer.close()

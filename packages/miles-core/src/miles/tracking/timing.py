@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 _CLOCK: contextvars.ContextVar[StepClock | None] = contextvars.ContextVar("miles_step_clock", default=None)
@@ -127,7 +127,7 @@ class TimeBreakdown:
                     out.add(json.loads(line))
         return out
 
-    def add(self, metrics: dict[str, float]) -> None:
+    def add(self, metrics: Mapping[str, float]) -> None:
         if "time/step_s" not in metrics:
             return
         self.steps += 1
