@@ -1,0 +1,154 @@
+"""Terminal-task episodes: throughput with 1, 4 and 16 concurrent sandboxes, and an end-to-end run.
+
+**Throughput** (no model): a *scripted shell agent* plays each built-in task. Its replies are fixed:
+turn 1 runs the task's reference solution through the ``shell`` tool, turn 2 runs ``ls``, turn 3
+answers "done". Everything else is the real episode path of the ``terminal`` agent
+(``miles_envs.terminal.agent.solve``): a local-dir sandbox with the task's starting files (Linux
+namespaces where available), the two commands, the hidden tests written and the test script run,
+the sandbox closed. Each episode must score 1.0 (the solutions are correct), so a broken path
+cannot post a number. ``--episodes`` episodes per width, ``width`` of them in flight at once.
+
+**End to end** (``--e2e``): ``miles run`` of the ``terminal-tiny`` recipe (tiny random Qwen3 on CPU,
+session server, ``terminal`` agent, fully asynchronous, 4 steps) and, from its ``metrics.jsonl``,
+each step's ``rollout/exit/<reason>`` counts and the agents' tool time.
+
+    uv run python benchmarks/agentic_terminal.py [--episodes 48] [--e2e] [--out benchmarks/results/agentic_terminal.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import (
+    REPO,
+    RESULTS_DIR,
+    load_avg,
+    machine_info,
+    miles_executable,
+    read_metrics,
+    run_timed,
+    thread_env,
+)
+
+from miles.types import ExitReason
+from miles_envs.sandbox import SandboxLimits
+from miles_envs.terminal import PolicyReply, TerminalTask, load_tasks
+from miles_envs.terminal.agent import TerminalAgentOptions, provider_for, solve
+from miles_envs.terminal.episode import EpisodeOutcome, Policy
+
+RECIPE = REPO / "packages/miles-envs/src/miles_envs/recipes/terminal-tiny.yaml"
+LIMITS = SandboxLimits(wall_s=20.0, cpu_s=20, memory_bytes=512 << 20)
+
+
+def scripted_agent(task: TerminalTask) -> Policy:
+    """The fixed replies: the reference solution, ``ls``, then a final answer."""
+    commands = [task.solution or "true", "ls"]
+    turn = 0
+
+    async def reply(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        nonlocal turn
+        turn += 1
+        if turn > len(commands):
+            return PolicyReply({"role": "assistant", "content": "done"}, "stop", 1)
+        call = {
+            "id": f"call_{turn}",
+            "type": "function",
+            "function": {"name": "shell", "arguments": json.dumps({"command": commands[turn - 1]})},
+        }
+        return PolicyReply({"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls", 1)
+
+    return reply
+
+
+async def throughput(tasks: list[TerminalTask], width: int, episodes: int) -> dict[str, Any]:
+    opts = TerminalAgentOptions(limits=dict(vars(LIMITS)), command_timeout_s=20.0)
+    gate = asyncio.Semaphore(width)
+    outcomes: list[EpisodeOutcome] = []
+    walls: list[float] = []
+
+    async def one(i: int) -> None:
+        task = tasks[i % len(tasks)]
+        async with gate:
+            t0 = time.perf_counter()
+            out = await solve(scripted_agent(task), task, opts)
+            walls.append(time.perf_counter() - t0)
+        if out.exit_reason is not ExitReason.COMPLETED or out.reward != 1.0:
+            raise SystemExit(f"task {task.id}: the scripted episode did not pass: {out}")
+        outcomes.append(out)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(episodes)))
+    seconds = time.perf_counter() - t0
+    return {
+        "width": width,
+        "episodes": episodes,
+        "seconds": round(seconds, 2),
+        "episodes_per_min": round(episodes / seconds * 60, 1),
+        "episode_wall_median_s": round(statistics.median(walls), 3),
+        "tool_time_median_s": round(statistics.median(o.tool_time_s for o in outcomes), 3),
+        "load_avg_after": load_avg(),
+    }
+
+
+def e2e(out_dir: Path) -> dict[str, Any]:
+    cmd = [miles_executable(), "run", str(RECIPE), "--set", f"run.output_dir={out_dir}", "--overwrite"]
+    timed = run_timed(cmd, env=thread_env(1), timeout=900)
+    if timed.returncode != 0:
+        raise SystemExit(f"the e2e run failed ({timed.returncode}):\n{timed.stderr[-3000:]}")
+    (metrics_file,) = out_dir.glob("*/metrics.jsonl")
+    steps = []
+    for row in read_metrics(metrics_file):
+        steps.append(
+            {
+                "step": row["step"],
+                "samples": row.get("rollout/samples"),
+                "exit": {
+                    k.removeprefix("rollout/exit/"): v
+                    for k, v in row.items()
+                    if k.startswith("rollout/exit/")
+                },
+                "tool_time_s_total": row.get("rollout/episode/tool_time_s_total"),
+                "turns_mean": row.get("rollout/episode/turns_mean"),
+                "reward_mean": row.get("rollout/reward_mean"),
+                "rollout_s": row.get("time/rollout_s"),
+            }
+        )
+    return {"command": " ".join(cmd), "wall_s": round(timed.seconds, 1), "steps": steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=48)
+    parser.add_argument("--widths", default="1,4,16")
+    parser.add_argument("--e2e", action="store_true", help="also run the terminal-tiny recipe end to end")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "agentic_terminal.json"))
+    args = parser.parse_args()
+    tasks = load_tasks("builtin")
+    result: dict[str, Any] = {"machine": machine_info(), "tasks": len(tasks)}
+    result["isolation"] = provider_for(TerminalAgentOptions()).describe().detail
+    result["throughput"] = []
+    for width in (int(w) for w in args.widths.split(",")):
+        row = asyncio.run(throughput(tasks, width, args.episodes))
+        print(json.dumps(row), flush=True)
+        result["throughput"].append(row)
+    if args.e2e:
+        with tempfile.TemporaryDirectory() as tmp:
+            result["e2e"] = e2e(Path(tmp))
+        print(json.dumps(result["e2e"], indent=1), flush=True)
+    result["machine"]["load_avg_at_end"] = load_avg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
