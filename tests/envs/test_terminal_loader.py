@@ -40,8 +40,7 @@ def test_terminal_bench_layout(tmp_path: Path) -> None:
     task = load_task(bench_task(tmp_path))
     assert task.id == "csv-stats" and task.instruction == "Write the number 42 to answer.txt."
     assert task.difficulty == "easy" and task.agent_timeout_s == 180 and task.test_timeout_s == 20
-    assert set(task.tests) == {"run-tests.sh", "tests/test_outputs.py"}
-    assert task.test_command == "TEST_DIR=tests sh run-tests.sh"
+    assert set(task.tests) == {"run-tests.sh", "test_outputs.py"} and task.test_script == "run-tests.sh"
     assert task.solution is not None and "42" in task.solution
     assert task.files == {} and dict(task.env) == {"max_turns": 3}
 

@@ -207,3 +207,10 @@ def test_limits_come_from_options_then_the_task() -> None:
     opts = TerminalAgentOptions(max_turns=3, wall_clock_s=9)
     assert limits_of(HELLO, opts, default_turns=5).max_turns == 3
     assert limits_of(HELLO, opts, default_turns=5).wall_clock_s == 9
+
+
+def test_the_agent_cannot_plant_the_tests(provider: LocalProvider) -> None:
+    plant = "mkdir -p tests && echo 'exit 0' > tests/test.sh && echo 'exit 0' > run-tests.sh && ln -s /tmp .grader"
+    out = episode(provider, scripted([shell(plant), say("done")]), EpisodeLimits())
+    assert (out.exit_reason, out.reward) == (ExitReason.COMPLETED, 0.0)
+    assert out.test_exit_code not in (0, None)

@@ -20,6 +20,7 @@ reward at all, so they can be retried instead of scored.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -169,19 +170,22 @@ async def run_agent_loop(
 async def grade(task: TerminalTask, sandbox: Sandbox, out: EpisodeOutcome) -> EpisodeOutcome:
     """Run the task's test script in the sandbox: exit 0 is reward 1, anything else 0.
 
-    The tests are written only now, so the agent never saw (or changed) them. An infrastructure
+    The tests are written only now, into a directory named at random (``TEST_DIR``), so the agent
+    never saw them and nothing it left in the sandbox can take their place. An infrastructure
     outcome is left unscored.
     """
     if out.infrastructure:
         return out
+    test_dir = f".grader-{secrets.token_hex(8)}"
     try:
         health = await sandbox.health()
         if not health.alive:
             out.exit_reason, out.detail = ExitReason.SANDBOX_DIED, f"sandbox unhealthy: {health.detail}"
             return out
         for path, content in task.tests.items():
-            await sandbox.write_file(path, content)
-        result = await sandbox.exec(task.test_command, timeout_s=task.test_timeout_s)
+            await sandbox.write_file(f"{test_dir}/{path}", content)
+        command = f"TEST_DIR={test_dir} sh {test_dir}/{task.test_script}"
+        result = await sandbox.exec(command, timeout_s=task.test_timeout_s)
     except SandboxError as err:
         out.exit_reason, out.detail = ExitReason.SANDBOX_DIED, f"grading failed: {err}"
         return out

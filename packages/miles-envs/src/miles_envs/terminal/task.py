@@ -11,8 +11,10 @@ A task is a directory in the terminal-bench layout::
       files/           optional starting files, copied into the sandbox root before the agent starts
 
 terminal-bench bakes starting files into a Docker image; here they are plain files under ``files/``
-(a Dockerfile, if any, is ignored). The test script runs with ``sh`` from the sandbox root with
-``TEST_DIR=tests``; exit status 0 is reward 1, anything else reward 0.
+(a Dockerfile, if any, is ignored). At grading, the grader's files (``tests/`` and
+``run-tests.sh``) are written to a directory of the sandbox whose name the agent cannot guess, so
+nothing it left behind can stand in for them, and the test script runs with ``sh`` from the sandbox
+root with ``TEST_DIR`` naming that directory; exit status 0 is reward 1, anything else reward 0.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class TerminalTask:
     id: str
     instruction: str
     files: Mapping[str, bytes]  # starting files: sandbox-relative path -> content
-    tests: Mapping[str, bytes]  # the grader's files (paths start with tests/), written after the agent
-    test_command: str  # run with sh from the sandbox root; exit 0 = pass
+    tests: Mapping[str, bytes]  # the grader's files, relative to the grading directory (TEST_DIR)
+    test_script: str  # the key in ``tests`` run with sh from the sandbox root; exit 0 = pass
     solution: str | None = None  # reference solution (a shell script), if the task has one
     difficulty: str = "unknown"
     agent_timeout_s: float | None = None  # task.yaml max_agent_timeout_sec
@@ -103,20 +105,19 @@ def load_task(directory: str | Path) -> TerminalTask:
     tests_root = root / TESTS_DIR
     if not tests_root.is_dir():
         raise DataError(f"{root}: a terminal task needs a {TESTS_DIR}/ directory with its test script")
-    tests = {f"{TESTS_DIR}/{rel}": data for rel, data in _read_tree(tests_root).items()}
+    tests = _read_tree(tests_root)
     run_tests = root / "run-tests.sh"
     if run_tests.is_file():
+        if "run-tests.sh" in tests:
+            raise DataError(f"{root}: both run-tests.sh and {TESTS_DIR}/run-tests.sh; keep one")
         tests["run-tests.sh"] = run_tests.read_bytes()
-        test_command = "TEST_DIR=tests sh run-tests.sh"
-    elif f"{TESTS_DIR}/test.sh" in tests:
-        test_command = "TEST_DIR=tests sh tests/test.sh"
+        test_script = "run-tests.sh"
+    elif "test.sh" in tests:
+        test_script = "test.sh"
     else:
         raise DataError(f"{root}: no test script (run-tests.sh or tests/test.sh)")
     files_root = root / "files"
     files = _read_tree(files_root) if files_root.is_dir() else {}
-    clash = sorted(set(files) & set(tests))
-    if clash:
-        raise DataError(f"{root}: starting files overlap the tests: {clash}")
     solution_path = root / "solution.sh"
     env = meta.get("env") or {}
     if not isinstance(env, dict):
@@ -126,7 +127,7 @@ def load_task(directory: str | Path) -> TerminalTask:
         instruction=instruction.strip(),
         files=files,
         tests=tests,
-        test_command=test_command,
+        test_script=test_script,
         solution=solution_path.read_text(encoding="utf-8") if solution_path.is_file() else None,
         difficulty=str(meta.get("difficulty", "unknown")),
         agent_timeout_s=_seconds(meta, "max_agent_timeout_sec", meta_path),
