@@ -193,6 +193,8 @@ def test_a_rows_env_overrides_the_agent_options() -> None:
     assert (opts.max_turns, opts.command_timeout_s, opts.tool_timeout_budget) == (2, 30, 0)
     with pytest.raises(ConfigError, match="max_turn"):
         episode_options({}, {"max_turn": 2})
+    with pytest.raises(ConfigError, match="mapping"):
+        episode_options({}, [("max_turns", 2)])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="command_timeout_s"):
         episode_options({"command_timeout_s": -1}, None)
 

@@ -68,6 +68,8 @@ class TerminalAgentOptions(ComponentOptions):
 
 def episode_options(options: Mapping[str, Any], row_env: Mapping[str, Any] | None) -> TerminalAgentOptions:
     """The recipe's agent options with the row's overrides on top, validated together."""
+    if row_env is not None and not isinstance(row_env, Mapping):
+        raise ConfigError(f"a row's env must be a mapping of agent options, got {type(row_env).__name__}")
     merged = {**options, **(row_env or {})}
     try:
         return TerminalAgentOptions.model_validate(merged)
