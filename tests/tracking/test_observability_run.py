@@ -20,11 +20,16 @@ from click.testing import CliRunner
 from miles import hookimpl
 from miles.cli import cli
 from miles.config import load_recipe
+from miles.config.schema import MilesConfig
 from miles.loop import train
 from miles.plugins import get_plugin_manager
 from miles.tracking.base import NoOptions, TrackerContext
 
 pytestmark = pytest.mark.slow
+
+# The RL loop alone, whatever the default recipe adds in front of it (a supervised warm start,
+# periodic evaluations): those have tests of their own, and would only slow this one down.
+RL_ONLY = ["eval=null", *(["warm_start=null"] if "warm_start" in MilesConfig.model_fields else [])]
 
 
 class FailingTracker:
@@ -75,6 +80,8 @@ def run(tmp_path_factory: pytest.TempPathFactory):
             "run.num_steps=2",
             "rollout.prompts_per_step=2",
             "rollout.n_samples_per_prompt=4",
+            *RL_ONLY,
+            "rollout.reward=numeric_closeness",  # partial credit: a random model's samples differ in reward
             "rollout.filters=[]",  # train on every group, so the step has a loss to plot
             "rollout.dump=true",
             "tracking.console=false",
@@ -216,8 +223,8 @@ def _tiny_reward(sample):
 
 
 def test_replay_reward_rescores_the_dump(run, tmp_path):
-    result, *_ = run
-    same = CliRunner().invoke(cli, ["replay", "reward", result.run_dir, "--reward", "numeric_closeness"])
+    result, _, _, config = run
+    same = CliRunner().invoke(cli, ["replay", "reward", result.run_dir, "--reward", config.rollout.reward])
     assert same.exit_code == 0, same.output
     assert "16 samples" in same.output and "0 changed" in same.output  # the run's own reward, again
 
@@ -330,3 +337,15 @@ def test_engine_generate_prints_the_answer_with_logprobs(run):
     table = lines[lines.index(next(line for line in lines if line.strip().startswith("pos"))) + 1 :]
     assert len(table) == 5
     assert all(float(row.split()[2]) <= 0.0 for row in table)  # a log-probability per token
+
+
+def test_replay_train_on_step_zero_reproduces_the_runs_loss(run):
+    result, *_ = run
+    logged = _rows(result.metrics_path)[0]
+    out = CliRunner().invoke(cli, ["replay", "train", result.run_dir, "--step", "0"])
+    assert out.exit_code == 0, out.output
+    replayed = {line.split()[0]: line.split()[1:] for line in out.output.splitlines()[1:]}
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/num_loss_tokens"):
+        value, was = (float(v) for v in replayed[key])
+        assert value == pytest.approx(logged[key], rel=1e-5, abs=1e-12), key
+        assert was == pytest.approx(logged[key], rel=1e-5, abs=1e-12), key

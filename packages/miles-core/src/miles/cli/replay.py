@@ -2,7 +2,8 @@
 
 ``miles replay reward DUMP --reward NAME`` re-scores the dumped samples with another reward;
 ``miles replay logprobs DUMP --step N`` recomputes the trainer's log-probs of a dumped step
-with an HF model and reports where train and rollout log-probs first diverge.
+with an HF model and reports where train and rollout log-probs first diverge;
+``miles replay train DUMP --step N`` trains once on a dumped step (no engines).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from miles.cli._common import verbose_option
 
 @click.group()
 def replay() -> None:
-    """Replay a rollout dump: re-score it, or compare its log-probs."""
+    """Replay a rollout dump: re-score it, or compare its log-probs.
+
+    Or train once on one of its steps, without engines (replay train).
+    """
 
 
 def _options(text: str | None) -> dict[str, object]:
@@ -137,3 +141,36 @@ def _run_config(run_dir: str | None) -> dict[str, object]:
     with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
         data = yaml.safe_load(f)
     return data if isinstance(data, dict) else {}
+
+
+@replay.command()
+@click.argument("dump", type=click.Path(exists=True))
+@click.option("--step", type=int, required=True, help="the dumped step to train on")
+@click.option("--model", help="weights to start from (default: the recipe's model.path)")
+@click.option(
+    "--set", "overrides", multiple=True, help="recipe override KEY=VALUE (e.g. algorithm.loss=gspo)"
+)
+@verbose_option
+def train(dump: str, step: int, model: str | None, overrides: tuple[str, ...]) -> None:
+    """Run one training step on dumped step STEP's samples, without engines.
+
+    The run's config.yaml builds the trainer and objective; the metrics are printed beside the
+    ones the run logged for that step. From the weights the step was trained from (model.path
+    for step 0) with the same recipe, they are the run's.
+    """
+    from miles.tracking.curves import read_rows
+    from miles.tracking.replay import load_records, run_dir_of
+    from miles.tracking.replay_train import replay_train_step
+
+    run_dir = run_dir_of(dump)
+    if run_dir is None:
+        raise click.UsageError(f"{dump} is not inside a run directory (no config.yaml above it)")
+    metrics = replay_train_step(run_dir, load_records(dump, step), step, model, overrides)
+    logged_path = os.path.join(run_dir, "metrics.jsonl")
+    rows = read_rows(logged_path) if os.path.isfile(logged_path) else []
+    logged = next((r for r in rows if r.get("step") == step), {})
+    click.echo(f"{'metric':<32}{'replayed':>14}{'logged':>14}")
+    for key in sorted(k for k in metrics if not k.startswith("time/")):
+        was = logged.get(key)
+        shown = f"{was:.6g}" if isinstance(was, int | float) else "-"
+        click.echo(f"{key:<32}{metrics[key]:>14.6g}{shown:>14}")

@@ -97,6 +97,9 @@ def recompute_logprobs(
     the trainer does (one forward over prompt + response, logits / temperature, log-softmax)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the command prints a table; a loading bar would tear it
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
