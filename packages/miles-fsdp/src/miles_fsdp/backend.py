@@ -229,6 +229,10 @@ class FSDPBackend:
         results = self._run("update_weights", self._same(version))
         return results[0]
 
+    def optimizer_state_bytes(self) -> int:
+        """The policy optimizer's state over all ranks (after the first step; 0 before)."""
+        return sum(self._run("optimizer_state_bytes", self._same(None)))
+
     def reconnect_transport(self) -> None:
         """Engines were restarted: every rank's transport re-forms its connections to them
         (``Transport.reconnect``), so the next update reaches the restarted ones too. Defined here,

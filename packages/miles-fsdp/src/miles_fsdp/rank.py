@@ -213,6 +213,15 @@ class RankTrainer:
                     client.load_lora_adapter(self.lora.name, directory)
         dist.barrier()
 
+    def optimizer_state_bytes(self, _: None = None) -> int:
+        """Bytes of this rank's policy optimizer state (AdamW moments: only the adapter's under LoRA)."""
+        return sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+
     def _weight_stream(self) -> Any:
         if self.lora is not None:
             return lora_mod.iter_adapter_tensors(self.model, self.lora.name)

@@ -36,6 +36,7 @@ TRAINER_COMMANDS = frozenset(
         "save_checkpoint",
         "load_checkpoint",
         "export_hf",
+        "optimizer_state_bytes",
     }
 )
 COMMANDS = TRAINER_COMMANDS | {"offload", "onload"}

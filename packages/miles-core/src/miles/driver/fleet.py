@@ -625,7 +625,11 @@ class EngineFleet:
             backend.export_hf(directory)
             for url in urls:
                 with SyncEngineClient(url, timeout=self.settings.restart_timeout_s) as client:
-                    client.update_weights_from_disk(directory, weight_version=version)
+                    if self.lora_path is not None:  # a LoRA run exports the adapter: load it by name
+                        client.update_weight_version(version)
+                        client.load_lora_adapter(self.lora_path, directory)
+                    else:
+                        client.update_weights_from_disk(directory, weight_version=version)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 

@@ -117,7 +117,8 @@ class LoraServing:
         for key, tensor in raw.items():
             module, factor = _split_key(key, path)
             pairs.setdefault(module, {})[factor] = tensor
-        adapter = Adapter(name=name, path=str(path), rank=rank, scale=scale)
+        # A freshly loaded adapter is as current as the engine: it holds the engine's weight version.
+        adapter = Adapter(name=name, path=str(path), rank=rank, scale=scale, version=self.updater.version)
         for module, fac in sorted(pairs.items()):
             linear = self.linears.get(module)
             if linear is None:
