@@ -8,11 +8,15 @@ namespaces where available), the two commands, the hidden tests written and the 
 the sandbox closed. Each episode must score 1.0 (the solutions are correct), so a broken path
 cannot post a number. ``--episodes`` episodes per width, ``width`` of them in flight at once.
 
-**End to end** (``--e2e``): ``miles run`` of the ``terminal-tiny`` recipe (tiny random Qwen3 on CPU,
-session server, ``terminal`` agent, fully asynchronous, 4 steps) and, from its ``metrics.jsonl``,
-each step's ``rollout/exit/<reason>`` counts and the agents' tool time.
+**End to end** (``--e2e``): ``miles run`` of the ``terminal-tiny`` recipe (session server,
+``terminal`` agent, fully asynchronous, 4 steps) and, from its ``metrics.jsonl``, each step's
+``rollout/exit/<reason>`` counts and the agents' tool time. ``--e2e-model random`` runs the recipe
+as shipped (the tiny random Qwen3 on all 24 tasks); ``trained`` serves the tiny model that
+``tests/envs/shell_model.py`` trains to solve ``hello-file`` with the shell tool, over
+``hello-file`` and three tasks it was not trained on (``E2E_TASKS``).
 
-    uv run python benchmarks/agentic_terminal.py [--episodes 48] [--e2e] [--out benchmarks/results/agentic_terminal.json]
+    uv run python benchmarks/agentic_terminal.py [--episodes 48] [--e2e] [--e2e-model random|trained]
+        [--no-throughput] [--out benchmarks/results/agentic_terminal.json]
 """
 
 from __future__ import annotations
@@ -99,8 +103,43 @@ async def throughput(tasks: list[TerminalTask], width: int, episodes: int) -> di
     }
 
 
-def e2e(out_dir: Path) -> dict[str, Any]:
-    cmd = [miles_executable(), "run", str(RECIPE), "--set", f"run.output_dir={out_dir}", "--overwrite"]
+E2E_TASKS = ["hello-file", "count-lines", "grep-errors", "unique-names"]
+
+
+def trained_overrides(out_dir: Path) -> list[str]:
+    """Build the shell model (tests/envs/shell_model.py) and the recipe overrides that serve it."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from envs.shell_model import build_shell_model
+
+    from miles.families import get_family
+    from miles.families.artefacts import family_tokenizer
+
+    family = get_family("qwen3")
+    model = build_shell_model(
+        out_dir / "shell-model", family, family_tokenizer(family.name, family.artefacts)
+    )
+    sets = [
+        f"model.path={model}",
+        "agentic.family=qwen3",
+        "data.system_prompt=null",
+        f"data.options={{tasks: [{', '.join(E2E_TASKS)}]}}",
+        "rollout.max_new_tokens=48",
+        "train.lr=1e-6",
+    ]
+    return [arg for value in sets for arg in ("--set", value)]
+
+
+def e2e(out_dir: Path, model: str) -> dict[str, Any]:
+    extra = trained_overrides(out_dir) if model == "trained" else []
+    cmd = [
+        miles_executable(),
+        "run",
+        str(RECIPE),
+        "--set",
+        f"run.output_dir={out_dir}",
+        "--overwrite",
+        *extra,
+    ]
     timed = run_timed(cmd, env=thread_env(1), timeout=900)
     if timed.returncode != 0:
         raise SystemExit(f"the e2e run failed ({timed.returncode}):\n{timed.stderr[-3000:]}")
@@ -122,7 +161,7 @@ def e2e(out_dir: Path) -> dict[str, Any]:
                 "rollout_s": row.get("time/rollout_s"),
             }
         )
-    return {"command": " ".join(cmd), "wall_s": round(timed.seconds, 1), "steps": steps}
+    return {"model": model, "command": " ".join(cmd), "wall_s": round(timed.seconds, 1), "steps": steps}
 
 
 def main() -> None:
@@ -130,19 +169,21 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=48)
     parser.add_argument("--widths", default="1,4,16")
     parser.add_argument("--e2e", action="store_true", help="also run the terminal-tiny recipe end to end")
+    parser.add_argument("--e2e-model", choices=["random", "trained"], default="random")
+    parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--out", default=str(RESULTS_DIR / "agentic_terminal.json"))
     args = parser.parse_args()
     tasks = load_tasks("builtin")
     result: dict[str, Any] = {"machine": machine_info(), "tasks": len(tasks)}
     result["isolation"] = provider_for(TerminalAgentOptions()).describe().detail
     result["throughput"] = []
-    for width in (int(w) for w in args.widths.split(",")):
+    for width in [] if args.no_throughput else [int(w) for w in args.widths.split(",")]:
         row = asyncio.run(throughput(tasks, width, args.episodes))
         print(json.dumps(row), flush=True)
         result["throughput"].append(row)
     if args.e2e:
         with tempfile.TemporaryDirectory() as tmp:
-            result["e2e"] = e2e(Path(tmp))
+            result["e2e"] = e2e(Path(tmp), args.e2e_model)
         print(json.dumps(result["e2e"], indent=1), flush=True)
     result["machine"]["load_avg_at_end"] = load_avg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
