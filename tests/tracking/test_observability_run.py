@@ -65,7 +65,11 @@ class _Scraper:
     def miles_on_metrics(self, step, metrics):
         if step == 1:
             with open(os.path.join(self.run_dir, "prometheus_address"), encoding="utf-8") as f:
-                self.text = httpx.get(f"http://{f.read().strip()}/metrics", timeout=10).text
+                url = f"http://{f.read().strip()}/metrics"
+            deadline = time.monotonic() + 20  # the tracker takes the step on its own thread
+            while 'miles_step{run="default"} 1.0' not in self.text and time.monotonic() < deadline:
+                self.text = httpx.get(url, timeout=10).text
+                time.sleep(0.05)
             self.reward = metrics["rollout/reward_mean"]
 
 

@@ -3,10 +3,12 @@
 A tracker is a class registered in the ``miles.trackers`` entry-point group (or named by an
 import path in ``tracking.backends``). The run builds it as ``cls(ctx, options)`` where
 ``options`` is an instance of the class's ``Options`` model (validated from
-``tracking.options.<name>`` before the run starts) and calls the three methods below from
-the driver thread. ``requires`` names the modules it imports and ``install`` the
-requirement that provides them, so a missing library is refused at validation with one line
-saying what to install, before any engine starts.
+``tracking.options.<name>`` before the run starts) and calls the three methods below, in
+order, from one thread: the driver's, or one of the tracker's own when the class sets
+``background = True`` (for trackers that wait on a service or a disk). ``requires`` names
+the modules it imports and ``install`` the requirement that provides them, so a missing
+library is refused at validation with one line saying what to install, before any engine
+starts.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ class MlflowTracker:
     Options = MlflowOptions
     requires: ClassVar[tuple[str, ...]] = ("mlflow",)
     install: ClassVar[str] = "miles-core[mlflow]"
+    background: ClassVar[bool] = True  # called from its own thread (miles.tracking.registry)
 
     def __init__(self, ctx: TrackerContext, options: MlflowOptions) -> None:
         from mlflow.tracking import MlflowClient

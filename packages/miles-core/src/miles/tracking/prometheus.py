@@ -59,6 +59,7 @@ class PrometheusTracker:
     Options = PrometheusOptions
     requires: ClassVar[tuple[str, ...]] = ("prometheus_client",)
     install: ClassVar[str] = "miles-core[prometheus]"
+    background: ClassVar[bool] = True  # called from its own thread (miles.tracking.registry)
 
     def __init__(self, ctx: TrackerContext, options: PrometheusOptions) -> None:
         from prometheus_client import CollectorRegistry, start_http_server

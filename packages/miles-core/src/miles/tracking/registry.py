@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import queue
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -63,20 +65,39 @@ def check_trackers(config: MilesConfig) -> None:
 
 
 class GuardedTracker:
-    """The hook plugin around one tracker: forwards the run's metrics, and contains its failures."""
+    """The hook plugin around one tracker: forwards the run's metrics, and contains its failures.
+
+    A tracker whose class sets ``background = True`` (one that talks to a service or a disk:
+    W&B, MLflow, TensorBoard, Prometheus) is called from a thread of its own, in order, so a slow
+    tracking server never lengthens a step. Its queue is bounded: a tracker that falls that far
+    behind loses rows (warned once) rather than holding memory or the run. ``close`` waits for
+    the queue to drain.
+    """
+
+    QUEUE = 1000
+    CLOSE_TIMEOUT_S = 120.0
 
     def __init__(self, name: str, tracker: Tracker) -> None:
         self.name = name
         self.tracker = tracker
         self.failed = False
         self.status = "failed"  # what close() reports unless the run says otherwise
+        self._dropped = False
+        self._queue: queue.Queue[tuple[str, Any, tuple[Any, ...]] | None] | None = None
+        self._thread: threading.Thread | None = None
+        if getattr(type(tracker), "background", False):
+            self._queue = queue.Queue(maxsize=self.QUEUE)
+            self._thread = threading.Thread(target=self._drain, name=f"miles-tracker-{name}", daemon=True)
+            self._thread.start()
 
-    def _call(self, what: str, fn: Any, *args: Any) -> None:
-        if self.failed:
+    def _call(self, what: str, fn: Any, *args: Any, always: bool = False) -> None:
+        if self.failed and not always:
             return
         try:
             fn(*args)
         except Exception as exc:
+            if self.failed:  # already reported: its close failing too is no news
+                return
             self.failed = True
             log.warning(
                 "tracker %r failed in %s (%s: %s); it is switched off for the rest of the run",
@@ -86,20 +107,51 @@ class GuardedTracker:
                 exc,
             )
 
+    def _submit(self, what: str, fn: Any, *args: Any) -> None:
+        if self._queue is None:
+            self._call(what, fn, *args)
+            return
+        try:
+            self._queue.put_nowait((what, fn, args))
+        except queue.Full:
+            if not self._dropped:
+                self._dropped = True
+                log.warning(
+                    "tracker %r is %d calls behind; dropping its rows until it catches up",
+                    self.name,
+                    self.QUEUE,
+                )
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            self._call(item[0], item[1], *item[2])
+
     @hookimpl
     def miles_on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._call("log", self.tracker.log, step, metrics)
+        # A copy: the driver may keep using its dict while the tracker's thread reads this one.
+        self._submit("log", self.tracker.log, step, dict(metrics))
 
     @hookimpl
     def miles_on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self._call("log_eval", self.tracker.log_eval, step, metrics)
+        self._submit("log_eval", self.tracker.log_eval, step, dict(metrics))
 
     @hookimpl
     def miles_on_run_end(self, run_dir: str, status: str) -> None:
         self.status = status
 
     def close(self) -> None:
-        self._call("close", self.tracker.close, self.status)
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)  # blocks only while the queue is full: the tracker is draining it
+            self._thread.join(self.CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                log.warning(
+                    "tracker %r did not finish within %.0f s; closing it anyway",
+                    self.name,
+                    self.CLOSE_TIMEOUT_S,
+                )
+        # Closed even after a failure: it may hold a port, a file or a remote run open.
+        self._call("close", self.tracker.close, self.status, always=True)
 
 
 def context_for(config: MilesConfig, run_dir: str, first_step: int) -> TrackerContext:

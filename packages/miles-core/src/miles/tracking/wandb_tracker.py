@@ -32,6 +32,7 @@ class WandbTracker:
     Options = WandbOptions
     requires: ClassVar[tuple[str, ...]] = ("wandb",)
     install: ClassVar[str] = "miles-core[wandb]"
+    background: ClassVar[bool] = True  # called from its own thread (miles.tracking.registry)
 
     def __init__(self, ctx: TrackerContext, options: WandbOptions) -> None:
         import wandb
