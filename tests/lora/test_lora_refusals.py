@@ -12,7 +12,9 @@ def _config(tiny_base, *overrides: str):
 
 
 def test_rank_must_be_positive(tiny_base):
-    with pytest.raises(ValueError, match=r"lora\.rank must be > 0"):
+    from miles.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lora\.rank must be > 0"):
         _config(tiny_base, "lora.rank=0")
 
 
