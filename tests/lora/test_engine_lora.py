@@ -87,3 +87,48 @@ def test_refusals(engine, tiny_base, adapters, tmp_path):
     engine.unload_lora_adapter("a")
     assert not engine.lora._hooks  # no hook left on the base
     assert not any(".lora_" in n for n in engine.weights.targets)
+
+
+def test_the_paged_path_refuses_adapters_with_the_fix(tiny_base, adapters):
+    from miles.engines.embedded.engine import EmbeddedEngine, EngineOptions
+    from miles.engines.embedded.lora import LoraError
+
+    eng = EmbeddedEngine(
+        EngineOptions(
+            model_path=str(tiny_base), device="cpu", dtype="float32", kv_cache="paged", kv_tokens=256
+        )
+    )
+    with pytest.raises(LoraError, match="--kv-cache dynamic"):
+        eng.load_lora_adapter("a", str(adapters["a"]))
+    with pytest.raises(ValueError, match="--kv-cache dynamic"):
+        eng.make_request(
+            input_ids=PROMPTS[0],
+            rid=None,
+            max_new_tokens=2,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            stop_token_ids=[],
+            seed=None,
+            ignore_eos=True,
+            return_logprob=True,
+            return_routed_experts=False,
+            lora="a",
+        )
+
+
+def test_client_bodies_name_the_adapter_as_sglang_does():
+    from miles.engines.client import (
+        generate_call,
+        load_lora_adapter_call,
+        unload_lora_adapter_call,
+        weights_checker_call,
+    )
+    from miles.types import SamplingParams
+
+    assert generate_call([1, 2], SamplingParams(), lora_path="a").body["lora_path"] == "a"
+    assert "lora_path" not in generate_call([1, 2], SamplingParams()).body
+    load = load_lora_adapter_call("a", "/x")
+    assert (load.path, load.body) == ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})
+    assert unload_lora_adapter_call("a").body == {"lora_name": "a"}
+    assert weights_checker_call("checksum", lora_name="a").body == {"action": "checksum", "lora_name": "a"}

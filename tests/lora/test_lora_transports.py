@@ -86,3 +86,23 @@ def test_update_sends_only_the_adapter_and_the_engine_serves_it(
         .max()
         > 1e-3
     )
+
+
+def test_http_endpoints_load_serve_and_unload(engine_url, adapters, tiny_base):
+    from miles.engines.client import SyncEngineClient
+    from miles.errors import EngineError
+    from miles.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    with SyncEngineClient(engine_url, timeout=60) as client:
+        client.load_lora_adapter("http-a", str(adapters["a"]))
+        out = client.generate(PROMPT, params, lora_path="http-a")
+        merged = merged_model(tiny_base, adapters["a"])
+        assert out.output_logprobs == pytest.approx(
+            forward_logprobs(merged, PROMPT, out.output_ids), abs=1e-4
+        )
+        client.unload_lora_adapter("http-a")
+        with pytest.raises(EngineError, match="not a loaded adapter"):
+            client.generate(PROMPT, params, lora_path="http-a")
+        with pytest.raises(EngineError, match="not a peft adapter directory"):
+            client.load_lora_adapter("bad", str(tiny_base))
