@@ -39,6 +39,7 @@ def replay_train_step(
     from miles.driver.preflight import close_components, preflight
     from miles.driver.services import trainer
     from miles.driver.training import make_train_batch
+    from miles.models.registry import resolve_model
     from miles.plugins import get_plugin_manager
 
     # No engines: no weight checks against them (the transport is set up with no engine to reach);
@@ -54,7 +55,7 @@ def replay_train_step(
         groups = [g for g in groups_of(records) if all(keep(g) for _, keep in checked.components.filters)]
         if not groups:
             raise ValueError(f"the recipe's filters drop every group of step {step}: nothing to train on")
-        model_path = checked.model_path if model is None else model
+        model_path = checked.model_path if model is None else resolve_model(model)
         with trainer(config, model_path, checked.components.objective, [], {}, pm) as backend:
             batch, metrics = make_train_batch(groups, checked.components.objective, backend, step, hooks)
             metrics |= dict(hooks.miles_train_step(step=step, batch=batch) or {})
