@@ -11,7 +11,14 @@ from miles.loop import train
 
 def _config(tmp_path, *overrides):
     return load_recipe(
-        "default", [f"run.output_dir={tmp_path / 'runs'}", "tracking.console=false", *overrides]
+        "default",
+        [
+            f"run.output_dir={tmp_path / 'runs'}",
+            "tracking.console=false",
+            "warm_start=null",
+            "eval=null",
+            *overrides,
+        ],
     )
 
 

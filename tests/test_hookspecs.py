@@ -390,6 +390,8 @@ def test_driver_hooks_fire_in_one_run(fake_site, tmp_path: Path, monkeypatch: py
         "default",
         [
             f"run.output_dir={tmp_path}",
+            "warm_start=null",
+            "eval=null",
             "run.num_steps=2",
             "run.save_every=1",
             "run.export_hf=false",

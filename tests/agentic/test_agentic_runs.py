@@ -47,6 +47,8 @@ def _recipe(tmp_path: Path, model_dir: Path, *overrides: str):
         "default",
         [
             f"run.output_dir={tmp_path}",
+            "warm_start=null",
+            "eval=null",
             "run.num_steps=2",
             f"model.path={model_dir}",
             f"data.path={data}",

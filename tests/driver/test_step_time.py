@@ -78,6 +78,8 @@ def test_a_real_runs_named_phases_cover_its_steps(tmp_path):
         "default",
         [
             f"run.output_dir={tmp_path}",
+            "warm_start=null",
+            "eval=null",
             "run.num_steps=2",
             "run.save_every=1",
             "rollout.prompts_per_step=2",

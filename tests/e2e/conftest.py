@@ -17,6 +17,9 @@ def small_run(tmp_path: Path):
         base = [
             f"run.output_dir={tmp_path}",
             "run.num_steps=3",
+            # RL mechanics from the tiny model as it is: no supervised stage, no evaluation.
+            "warm_start=null",
+            "eval=null",
             "rollout.prompts_per_step=4",
             "rollout.n_samples_per_prompt=4",
             "tracking.console=false",

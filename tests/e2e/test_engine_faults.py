@@ -147,6 +147,8 @@ def _rows(path: str) -> list[dict]:
 def _config(tmp_path_factory, name: str, *overrides: str):
     base = [
         f"run.output_dir={tmp_path_factory.mktemp(name)}",
+        "warm_start=null",
+        "eval=null",
         "rollout.prompts_per_step=4",
         "rollout.n_samples_per_prompt=4",
         "tracking.console=false",

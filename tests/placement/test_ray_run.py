@@ -20,6 +20,8 @@ def test_fully_async_run_on_a_ray_cluster(ray_address: str, tmp_path) -> None:
         "run",
         "default",
         "--set", f"run.output_dir={tmp_path}",
+        "--set", "warm_start=null",
+        "--set", "eval=null",
         "--set", "run.num_steps=3",
         "--set", "run.export_hf=false",
         "--set", "rollout.prompts_per_step=4",

@@ -1,6 +1,7 @@
 """The driver: one loop for RL and SFT, both schedules, readable as pseudocode.
 
     check everything, decide where to start, write the run directory     (driver/start.py)
+    RL with a warm start: run its SFT stage first, start from its policy   (driver/warm_start.py)
     open the run's services: trackers, engines, trainer, generation       (driver/session.py)
     for each step:
         batch   = next batch      # RL: generate (or take from the buffer) -> scores -> advantages
@@ -30,6 +31,7 @@ from miles.driver.hooks import Hooks
 from miles.driver.interrupts import StopRequest, stopped_by_signal
 from miles.driver.session import Session
 from miles.driver.start import start_run
+from miles.driver.warm_start import run_warm_start
 from miles.plugins import get_plugin_manager
 from miles.tracking.summaries import write_run_summaries
 from miles.tracking.timing import step_clock
@@ -53,6 +55,8 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     pm = get_plugin_manager()
     start = start_run(config, resume=resume, overwrite=overwrite, hooks=Hooks(pm))
+    if config.warm_start is not None:  # a supervised stage first; RL starts from its final policy
+        start.model_path = run_warm_start(config, start.run, resume=resume)
     stop = StopRequest()
     state, final_dir = start.state, None
     with Session(config, start, stop, pm) as run:

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
 MARKER = "miles-run.json"
 TRAINED_PROMPTS = "trained_prompts.jsonl"
+# The supervised stage an RL run may start with (miles.driver.warm_start): a run directory of its own.
+WARM_START_DIR = "warm_start"
 # What a run writes at the top of its directory (besides the entries a plugin adds, which the
 # marker records as they appear).
 LAYOUT = (
@@ -56,6 +58,7 @@ LAYOUT = (
     "eval_engines",
     "teachers",
     "weight_deltas",
+    WARM_START_DIR,
 )
 
 
@@ -109,7 +112,7 @@ class RunDir:
         existing = self._listing()
         marker = self.read_marker()
         if resume:
-            if self.latest_checkpoint() is not None:
+            if self.latest_checkpoint() is not None or self.in_warm_start():
                 return
             if marker is not None and marker.steps_done == 0:
                 raise RunDirError(
@@ -167,12 +170,19 @@ class RunDir:
         if os.path.dirname(os.path.realpath(self.path)) != os.path.realpath(self.output_dir):
             raise RunDirError(f"run directory {self.path} is not inside run.output_dir {self.output_dir}")
 
+    def in_warm_start(self) -> bool:
+        """The run stopped in its warm start (which wrote a run marker), before its first RL step."""
+        if not os.path.isfile(self.sub(WARM_START_DIR, MARKER)) or self.latest_checkpoint() is not None:
+            return False
+        marker = self.read_marker()
+        return marker is None or marker.steps_done == 0
+
     def _listing(self) -> list[str]:
         return sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
 
     def _replaceable(self, marker: RunMarker) -> bool:
         """A run that never finished a step (its start-up failed): nothing in it is worth keeping."""
-        return marker.steps_done == 0 and self.latest_checkpoint() is None
+        return marker.steps_done == 0 and self.latest_checkpoint() is None and not self.in_warm_start()
 
     def _remove_run(self, marker: RunMarker) -> list[str]:
         """Delete what the earlier run wrote; keep (and name) anything else in the directory."""

@@ -510,6 +510,20 @@ class TrackingSection(Section):
     )
 
 
+class WarmStartSection(Section):
+    """A supervised stage before RL, inside the same run (a cold start): RL starts from its final policy.
+
+    The stage is a recipe of its own (``mode: sft``) run to completion in ``RUN/warm_start/``
+    from this recipe's ``model.path``; a resumed run skips it once it has completed.
+    """
+
+    recipe: str = Field(..., description="the SFT recipe to run first (a recipe name or a YAML file)")
+    overrides: list[str] = Field(
+        default_factory=list,
+        description="--set overrides for that recipe (KEY=VALUE), e.g. run.num_steps=150",
+    )
+
+
 class MilesConfig(Section):
     """A whole recipe. Plugin sections are added to a subclass built at start-up."""
 
@@ -539,6 +553,9 @@ class MilesConfig(Section):
     fully_async: FullyAsyncSection = Field(default_factory=FullyAsyncSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
     eval: EvalSection | None = None
+    warm_start: WarmStartSection | None = Field(
+        None, description="a supervised stage (an SFT recipe) run before RL in the same run directory"
+    )
     agentic: AgenticSection | None = Field(
         None, description="model family, sessions, tools and agent of multi-turn / agentic rollouts"
     )
@@ -564,6 +581,10 @@ class MilesConfig(Section):
                 raise ValueError("schedule 'fully_async' needs rollouts; mode 'sft' trains synchronously")
             if self.eval is not None:
                 raise ValueError("eval scores rollouts on engines; mode 'sft' starts none (remove eval)")
+            if self.warm_start is not None:
+                raise ValueError(
+                    "warm_start runs an SFT stage before RL; an SFT recipe needs none (remove it)"
+                )
             return self
         if self.schedule == "fully_async":
             # A fully asynchronous schedule on shared devices is refused with the transport's placement

@@ -38,8 +38,12 @@ def start_run(config: MilesConfig, *, resume: bool, overwrite: bool, hooks: Hook
     run = RunDir(config.run_dir, config.run.output_dir)
     run.check(resume=resume, overwrite=overwrite)
     checked = preflight(config, hooks)
+    # A run stopped in its warm start resumes that stage; RL itself then starts afresh.
+    from_checkpoint = resume and not run.in_warm_start()
     checkpoint, state, changes = (
-        resume_point(run, config, checked.components.data_source) if resume else (None, LoopState(), {})
+        resume_point(run, config, checked.components.data_source)
+        if from_checkpoint
+        else (None, LoopState(), {})
     )
     run.prepare(resume=resume, overwrite=overwrite)
     if checkpoint:
