@@ -1,113 +1,70 @@
-"""The default recipe end to end, as a user runs it: `uv run miles run`, timed, and whether it learned.
+"""Does the README's `uv run miles run` learn, and how long does it take? (issue 13, item 7)
 
-    uv run python benchmarks/default_recipe.py
+Runs the built-in default recipe through the real CLI (`miles run --overwrite`, in a temporary
+output directory), times it end to end, and measures the greedy exact-answer rate over all 55
+prompts of the policy at three points: the random initialisation, the end of the warm start
+(`warm_start/final`), and the end of RL (`final`). With `--no-warm-start` it also runs the recipe
+without its supervised stage (RL from random weights, as the default was before), for comparison.
 
-Runs ``uv run miles run`` (the built-in default recipe) from the repository root with its output in a
-temporary directory, and reports the wall time of the whole command (start-up, model, engine and
-trainer processes, every step, the final export), the median step time, and the reward curve from the
-run's metrics.jsonl: ``rollout/reward_mean`` of the first and last steps, and the mean of the first three
-steps against the mean of the last three.
+    uv run python benchmarks/default_recipe.py [--no-warm-start] [--out benchmarks/results/default_recipe.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
-import statistics
+import json
+import os
+import platform
+import subprocess
 import sys
 import tempfile
-from pathlib import Path
-from typing import Any
-
-from _bench import (
-    REPO,
-    RESULTS_DIR,
-    fmt,
-    load_avg,
-    machine_info,
-    median,
-    read_metrics,
-    run_timed,
-    tail,
-    write_result,
-)
+import time
 
 
-def reward_summary(rows: list[dict[str, Any]], window: int = 3) -> dict[str, Any]:
-    rewards = [r["rollout/reward_mean"] for r in rows if r.get("rollout/reward_mean") is not None]
-    if not rewards:
-        return {}
-    return {
-        "first_step_reward": rewards[0],
-        "last_step_reward": rewards[-1],
-        f"first_{window}_mean": statistics.fmean(rewards[:window]),
-        f"last_{window}_mean": statistics.fmean(rewards[-window:]),
-        "rewards": rewards,
+def _run(out_dir: str, *overrides: str) -> float:
+    argv = [sys.executable, "-m", "miles", "run", "--overwrite", "--set", f"run.output_dir={out_dir}"]
+    for o in ("tracking.console=false", *overrides):
+        argv += ["--set", o]
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def _eval_rates(run_dir: str) -> list[tuple[int, float]]:
+    with open(os.path.join(run_dir, "eval.jsonl"), encoding="utf-8") as f:
+        return [(r["step"], r["metrics"]["pass_rate"]) for r in map(json.loads, f)]
+
+
+def main() -> None:
+    from miles.eval.greedy import greedy_exact_rate
+    from miles.models.registry import resolve_model
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-warm-start", action="store_true", help="also run RL from random weights")
+    parser.add_argument("--out", default="benchmarks/results/default_recipe.json")
+    args = parser.parse_args()
+
+    result: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start",
+        "initial_exact": greedy_exact_rate(resolve_model("builtin:tiny-qwen3")).rate,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", default=None, help="recipe to run instead of the default one")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="extra KEY=VALUE overrides")
-    p.add_argument("--out", default=str(RESULTS_DIR / "default_recipe.json"))
-    p.add_argument("--timeout", type=float, default=3600.0)
-    args = p.parse_args(argv)
-
-    uv = shutil.which("uv")
-    if uv is None:
-        raise SystemExit("`uv` is not on PATH; this benchmark times `uv run miles run` as a user types it")
-    machine = machine_info()
-    with tempfile.TemporaryDirectory(prefix="miles-bench-default-") as tmp:
-        cmd = [uv, "run", "miles", "run"]
-        if args.recipe:
-            cmd.append(args.recipe)
-        for o in [f"run.output_dir={tmp}", *args.overrides]:
-            cmd += ["--set", o]
-        print(f"running: {' '.join(cmd)}", flush=True)
-        timed = run_timed(cmd, cwd=REPO, timeout=args.timeout)
-        metrics = sorted(Path(tmp).glob("*/metrics.jsonl"))
-        rows = read_metrics(metrics[0]) if metrics else []
-        shown = " ".join(["uv", *cmd[1:]]).replace(tmp, "<tmp>")
-
-    result: dict[str, Any] = {
-        "benchmark": "default_recipe",
-        "machine": machine,
-        "command": shown,
-        "ok": timed.returncode == 0 and bool(rows),
-        "wall_s": timed.seconds,
-        "load_avg_at_end": load_avg(),
-        "steps": len(rows),
-        "median_step_s": median([r["time/step_s"] for r in rows if r.get("time/step_s") is not None]),
-        "median_rollout_s": median(
-            [r["time/rollout_s"] for r in rows if r.get("time/rollout_s") is not None]
-        ),
-        "median_train_step_s": median([r["time/train_step_s"] for r in rows if r.get("time/train_step_s")]),
-        "median_weight_update_s": median(
-            [r["time/weight_update_s"] for r in rows if r.get("time/weight_update_s")]
-        ),
-        "reward": reward_summary(rows),
-    }
-    if not result["ok"]:
-        result["error"] = f"exit code {timed.returncode}; {len(rows)} metric rows"
-        result["stderr_tail"] = tail(timed.stderr)
-    out = write_result(args.out, result)
-
-    rw = result["reward"]
-    print(
-        f"ok={result['ok']} wall {result['wall_s']:.1f}s for {result['steps']} steps "
-        f"(median step {fmt(result['median_step_s'])}s)"
-    )
-    if rw:
-        print(
-            f"reward_mean: first step {rw['first_step_reward']:.3f}, last step {rw['last_step_reward']:.3f}; "
-            f"first 3 mean {rw['first_3_mean']:.3f}, last 3 mean {rw['last_3_mean']:.3f}"
-        )
-    if not result["ok"]:
-        print(result["error"], result["stderr_tail"], sep="\n")
-    print(f"result: {out}")
-    return 0 if result["ok"] else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        result["wall_s"] = _run(tmp)
+        run_dir = os.path.join(tmp, "default")
+        result["warm_start_exact"] = greedy_exact_rate(os.path.join(run_dir, "warm_start", "final")).rate
+        result["final_exact"] = greedy_exact_rate(os.path.join(run_dir, "final")).rate
+        result["eval_pass_rate"] = _eval_rates(run_dir)
+        if args.no_warm_start:
+            result["rl_only_wall_s"] = _run(tmp, "warm_start=null", "run.name=rl-only")
+            result["rl_only_final_exact"] = greedy_exact_rate(os.path.join(tmp, "rl-only", "final")).rate
+            result["rl_only_eval_pass_rate"] = _eval_rates(os.path.join(tmp, "rl-only"))
+    result["load_average_at_end"] = round(os.getloadavg()[0], 1)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
