@@ -162,6 +162,10 @@ def test_tracker_options_are_checked_against_the_trackers_model():
     bad = load_recipe("default", ["tracking.backends=[wandb]", "tracking.options.wandb.projekt=demo"])
     with pytest.raises(RecipeError, match="projekt"):
         check_component_options(bad)
+    with pytest.raises(ConfigError, match=r"options for \['mlfow'\]"):
+        check_trackers(
+            load_recipe("default", ["tracking.backends=[mlflow]", "tracking.options.mlfow.experiment=x"])
+        )
     with pytest.raises(Exception, match="did you mean"):
         check_trackers(load_recipe("default", ["tracking.backends=[wandbb]"]))
 

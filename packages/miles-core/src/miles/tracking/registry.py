@@ -52,8 +52,17 @@ def tracker_class(name: str) -> Any:
 
 
 def check_trackers(config: MilesConfig) -> None:
-    """Every selected tracker loads and has its library: else one line saying what to install."""
-    for name in selected_trackers(config):
+    """Every selected tracker loads and has its library: else one line saying what to install.
+    Options for a tracker the run does not use are refused (a typo in a name would otherwise
+    silently drop them)."""
+    selected = selected_trackers(config)
+    unused = sorted(set(config.tracking.options) - set(selected))
+    if unused:
+        raise ConfigError(
+            f"tracking.options has options for {unused}, which the run does not use (trackers: {selected}); "
+            "add them to tracking.backends or remove their options"
+        )
+    for name in selected:
         cls = tracker_class(name)
         missing = [m for m in getattr(cls, "requires", ()) if importlib.util.find_spec(m) is None]
         if missing:
