@@ -22,7 +22,6 @@ def test_lora_grpo_run_trains_the_adapter_and_serves_it(tmp_path):
     from safetensors.torch import load_file
 
     from miles.config import load_recipe
-    from miles.config.schema import MilesConfig
     from miles.loop import train
 
     overrides = [
@@ -38,7 +37,7 @@ def test_lora_grpo_run_trains_the_adapter_and_serves_it(tmp_path):
         "lora.alpha=16",
         f"lora.target_modules={json.dumps(TARGETS)}",
     ]
-    overrides += [f"{key}=null" for key in ("warm_start", "eval") if key in MilesConfig.model_fields]
+    overrides += ["warm_start=null", "eval=null"]  # RL from the tiny model as it is, no evaluations
     result = train(load_recipe("default", overrides))
     rows = _rows(result.metrics_path)
     assert [r["step"] for r in rows] == list(range(STEPS))
