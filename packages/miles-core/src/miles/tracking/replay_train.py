@@ -46,7 +46,13 @@ def replay_train_step(
     # nothing tracked (the run's trackers may not be importable here, and this is no run).
     config = load_recipe(
         os.path.join(run_dir, "config.yaml"),
-        ["weight_sync.check_equal=false", "tracking.backends=[]", "rollout.dump=false", *overrides],
+        [
+            "weight_sync.check_equal=false",
+            "tracking.backends=[]",
+            "tracking.options={}",
+            "rollout.dump=false",
+            *overrides,
+        ],
     )
     pm = get_plugin_manager()
     hooks = Hooks(pm)
