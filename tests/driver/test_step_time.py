@@ -80,6 +80,9 @@ def test_a_real_runs_named_phases_cover_its_steps(tmp_path):
             f"run.output_dir={tmp_path}",
             "warm_start=null",
             "eval=null",
+            # The RL settings these tests were written for (the default recipe's before its warm start).
+            "rollout.reward=numeric_closeness",
+            "train.lr=0.01",
             "run.num_steps=2",
             "run.save_every=1",
             "rollout.prompts_per_step=2",

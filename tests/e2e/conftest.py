@@ -20,6 +20,9 @@ def small_run(tmp_path: Path):
             # RL mechanics from the tiny model as it is: no supervised stage, no evaluation.
             "warm_start=null",
             "eval=null",
+            # The RL settings these tests were written for (the default recipe's before its warm start).
+            "rollout.reward=numeric_closeness",
+            "train.lr=0.01",
             "rollout.prompts_per_step=4",
             "rollout.n_samples_per_prompt=4",
             "tracking.console=false",

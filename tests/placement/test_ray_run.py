@@ -22,6 +22,8 @@ def test_fully_async_run_on_a_ray_cluster(ray_address: str, tmp_path) -> None:
         "--set", f"run.output_dir={tmp_path}",
         "--set", "warm_start=null",
         "--set", "eval=null",
+        "--set", "rollout.reward=numeric_closeness",
+        "--set", "train.lr=0.01",
         "--set", "run.num_steps=3",
         "--set", "run.export_hf=false",
         "--set", "rollout.prompts_per_step=4",

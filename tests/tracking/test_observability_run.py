@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 # The RL loop alone, whatever the default recipe adds in front of it (a supervised warm start,
 # periodic evaluations): those have tests of their own, and would only slow this one down.
-RL_ONLY = ["eval=null", "warm_start=null"]
+RL_ONLY = ["eval=null", "warm_start=null", "rollout.reward=numeric_closeness", "train.lr=0.01"]
 
 
 class FailingTracker:

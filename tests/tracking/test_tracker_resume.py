@@ -9,7 +9,6 @@ import pytest
 
 from miles import hookimpl
 from miles.config import load_recipe
-from miles.config.schema import MilesConfig
 from miles.loop import train
 from miles.plugins import get_plugin_manager
 
@@ -17,7 +16,7 @@ from .wandb_records import history, run_ids, wait_for_exit
 
 pytestmark = pytest.mark.slow
 
-RL_ONLY = ["eval=null", *(["warm_start=null"] if "warm_start" in MilesConfig.model_fields else [])]
+RL_ONLY = ["eval=null", "warm_start=null", "rollout.reward=numeric_closeness", "train.lr=0.01"]
 
 
 class _Kill:
