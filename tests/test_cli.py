@@ -148,7 +148,7 @@ def test_unknown_command_suggests_the_closest() -> None:
     assert result.exit_code == 2
     assert (
         "No such command 'plugin'. Did you mean 'plugins'? Commands: check-family, config, engine, models, plugins, recipes, replay, report, "
-        "run." in result.output
+        "run, serve." in result.output
     )
 
 

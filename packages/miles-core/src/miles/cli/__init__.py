@@ -25,6 +25,10 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("miles.cli.report:report", "Plot a run's metrics into PNGs and one HTML page."),
     "replay": ("miles.cli.replay:replay", "Replay a rollout dump: re-score it, or compare its log-probs."),
     "engine": ("miles.cli.engine:engine", "Talk to a running engine: one raw /generate request."),
+    "serve": (
+        "miles.cli.serve:serve",
+        "Run the session server on its own, for agents developed outside a run.",
+    ),
     "check-family": (
         "miles.cli.families:check_family",
         "Check that family NAME's rendering stays append-only from turn to turn (CPU).",
