@@ -1,1 +1,1 @@
-"""Placeholder package: nothing is implemented yet (see README.md)."""
+"""Miles diffusion-model RL: Flow-GRPO on flow-matching models (see README.md and docs/diffusion.md)."""

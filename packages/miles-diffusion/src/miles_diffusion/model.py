@@ -1,0 +1,68 @@
+"""Tiny flow-matching image models built from config with random weights (no downloads).
+
+The model predicts the rectified-flow velocity ``v = noise - image`` for a noisy image
+``x_t = (1 - t) * image + t * noise`` at time ``t`` in ``[0, 1]`` (``t = 1`` is pure noise). It
+is a diffusers ``UNet2DModel`` whose class-embedding table stands in for a text encoder: a prompt is
+an integer id, and every image of one prompt shares one embedding row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from diffusers import UNet2DModel
+from torch import nn
+
+# UNet2DModel expects timesteps on the scale diffusion schedulers use (0..1000).
+TIMESTEP_SCALE = 1000.0
+
+
+@dataclass(frozen=True)
+class TinyFlowModelConfig:
+    """Shape of the tiny model: pixel space, ``channels`` x ``image_size`` x ``image_size``."""
+
+    image_size: int = 16
+    channels: int = 3
+    num_prompts: int = 4
+    block_out_channels: tuple[int, ...] = (16, 32)
+    layers_per_block: int = 1
+    norm_num_groups: int = 8
+
+
+class FlowModel(nn.Module):
+    """Velocity predictor ``v(x_t, t, prompt)`` over a diffusers UNet with a prompt-embedding table."""
+
+    def __init__(self, config: TinyFlowModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        depth = len(config.block_out_channels)
+        # cast: diffusers' ModelMixin is not seen as an nn.Module by mypy.
+        self.unet = cast(
+            nn.Module,
+            UNet2DModel(
+                sample_size=config.image_size,
+                in_channels=config.channels,
+                out_channels=config.channels,
+                block_out_channels=config.block_out_channels,
+                layers_per_block=config.layers_per_block,
+                down_block_types=("DownBlock2D",) * depth,
+                up_block_types=("UpBlock2D",) * depth,
+                norm_num_groups=config.norm_num_groups,
+                num_class_embeds=config.num_prompts,
+            ),
+        )
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
+        """``x_t``: [B, C, H, W]; ``t``: [B] in [0, 1]; ``prompts``: [B] int ids. Returns v, [B, C, H, W]."""
+        out = self.unet(x_t, t * TIMESTEP_SCALE, class_labels=prompts, return_dict=False)[0]
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+def build_tiny_model(config: TinyFlowModelConfig, seed: int) -> FlowModel:
+    """Random weights, reproducible from ``seed`` (the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return FlowModel(config)

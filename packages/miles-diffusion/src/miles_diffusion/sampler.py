@@ -1,0 +1,124 @@
+"""SDE sampling for rectified flow with a log-probability at every denoising step (Flow-GRPO).
+
+The deterministic flow ODE ``dx = v dt`` (run from ``t = 1`` to ``t = 0``) has the same marginals as
+the reverse-time SDE ``dx = [v + sigma_t^2 / (2 t) * (x + (1 - t) v)] dt + sigma_t dW``, because
+``-(x + (1 - t) v) / t`` is the score of the noisy marginal when ``x_t = (1 - t) x_0 + t eps``. An
+Euler-Maruyama step of that SDE from ``t`` to ``t_next = t - dt`` is Gaussian,
+
+    x_next ~ N(mean, std^2),  mean = x - dt * [v + sigma_t^2 / (2 t) * (x + (1 - t) v)],
+                              std  = sigma_t * sqrt(dt),
+
+so each step has an exact log-probability. ``sigma_t = noise_level * sqrt(t / (1 - t))``, with
+``1 - t`` floored at one step width so the first step (``t = 1``) stays finite.
+
+One function, :func:`step_distribution`, gives the Gaussian for both the sampler and the trainer, so
+the two compute a step's log-probability through the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from miles_diffusion.model import FlowModel
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    num_steps: int = 10
+    noise_level: float = 0.7
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One batch of denoising trajectories, whole.
+
+    ``latents``: [B, S + 1, C, H, W] (index 0 is the starting noise, index S the image);
+    ``timesteps``: [S + 1] from 1 to 0; ``log_probs``: [B, S], the log-probability of step ``i``
+    (``latents[:, i] -> latents[:, i + 1]``) under the sampling policy; ``prompts``: [B].
+    """
+
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    log_probs: torch.Tensor
+    prompts: torch.Tensor
+
+    @property
+    def images(self) -> torch.Tensor:
+        """Final images mapped from the model's [-1, 1] range to [0, 1], [B, C, H, W]."""
+        return ((self.latents[:, -1] + 1.0) / 2.0).clamp(0.0, 1.0)
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.log_probs.shape[1])
+
+
+def timestep_schedule(num_steps: int) -> torch.Tensor:
+    """``num_steps + 1`` evenly spaced times from 1 (noise) to 0 (image)."""
+    return torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+
+
+def step_distribution(
+    model: FlowModel,
+    x_t: torch.Tensor,
+    t: float,
+    t_next: float,
+    prompts: torch.Tensor,
+    noise_level: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean [B, C, H, W] and scalar std of the Gaussian for the step ``t -> t_next``."""
+    dt = t - t_next
+    batch = x_t.shape[0]
+    v = model(x_t, torch.full((batch,), t, dtype=x_t.dtype), prompts)
+    sigma = noise_level * math.sqrt(t / max(1.0 - t, dt))
+    drift = v + (sigma**2 / (2.0 * t)) * (x_t + (1.0 - t) * v)
+    mean = x_t - dt * drift
+    std = torch.tensor(sigma * math.sqrt(dt), dtype=x_t.dtype)
+    return mean, std
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-sample log-density averaged over pixels (so its scale does not grow with image size), [B]."""
+    per_pixel = -((x - mean) ** 2) / (2.0 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    return per_pixel.flatten(1).mean(dim=1)
+
+
+def step_log_prob(
+    model: FlowModel, trajectory: Trajectory, step: int, noise_level: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Re-score recorded step ``step`` with ``model``: (log_prob [B], mean, std). Differentiable."""
+    t = float(trajectory.timesteps[step])
+    t_next = float(trajectory.timesteps[step + 1])
+    mean, std = step_distribution(
+        model, trajectory.latents[:, step], t, t_next, trajectory.prompts, noise_level
+    )
+    return gaussian_log_prob(trajectory.latents[:, step + 1], mean, std), mean, std
+
+
+@torch.no_grad()
+def sample(
+    model: FlowModel, prompts: torch.Tensor, config: SamplerConfig, generator: torch.Generator
+) -> Trajectory:
+    """Sample one trajectory per prompt id in ``prompts``; all noise comes from ``generator``."""
+    mc = model.config
+    shape = (prompts.shape[0], mc.channels, mc.image_size, mc.image_size)
+    times = timestep_schedule(config.num_steps)
+    x = torch.randn(shape, generator=generator)
+    latents = [x]
+    log_probs = []
+    for i in range(config.num_steps):
+        t, t_next = float(times[i]), float(times[i + 1])
+        mean, std = step_distribution(model, x, t, t_next, prompts, config.noise_level)
+        x = mean + std * torch.randn(shape, generator=generator)
+        log_probs.append(gaussian_log_prob(x, mean, std))
+        latents.append(x)
+    return Trajectory(
+        latents=torch.stack(latents, dim=1),
+        timesteps=times,
+        log_probs=torch.stack(log_probs, dim=1),
+        prompts=prompts,
+    )

@@ -1,0 +1,100 @@
+"""Flow-GRPO trainer: re-scores a chosen subset of recorded denoising steps and updates the model.
+
+Plain torch (one process, an AdamW optimizer); the FSDP2 path through miles-fsdp is not wired yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from miles_diffusion.flow_grpo import FlowGRPOConfig, flow_grpo_step_loss
+from miles_diffusion.model import FlowModel
+from miles_diffusion.sampler import Trajectory, step_distribution, step_log_prob
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    train_step_fraction: float = 0.6
+    """Fraction of the denoising steps re-scored and trained on each iteration (chosen at random)."""
+    steps_per_update: int = 2
+    """Denoising steps whose gradients are accumulated into one optimizer step."""
+
+
+def choose_steps(num_steps: int, fraction: float, generator: torch.Generator) -> list[int]:
+    """A random subset of ``ceil(fraction * num_steps)`` step indices, in a seeded order."""
+    count = max(1, math.ceil(fraction * num_steps))
+    return [int(i) for i in torch.randperm(num_steps, generator=generator)[:count]]
+
+
+class FlowGRPOTrainer:
+    def __init__(
+        self,
+        model: FlowModel,
+        objective: FlowGRPOConfig,
+        config: TrainerConfig,
+        noise_level: float,
+    ) -> None:
+        self.model = model
+        self.objective = objective
+        self.config = config
+        self.noise_level = noise_level
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.reference: FlowModel | None = None
+        if objective.kl_coef > 0:
+            self.reference = copy.deepcopy(model).requires_grad_(False)
+
+    def _kl_to_reference(
+        self, trajectory: Trajectory, step: int, mean: torch.Tensor, std: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            ref_mean, _ = step_distribution(
+                self.reference,
+                trajectory.latents[:, step],
+                float(trajectory.timesteps[step]),
+                float(trajectory.timesteps[step + 1]),
+                trajectory.prompts,
+                self.noise_level,
+            )
+        return ((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2.0 * std**2)
+
+    def train_step(
+        self, trajectory: Trajectory, advantages: torch.Tensor, steps: list[int]
+    ) -> dict[str, float]:
+        """One Flow-GRPO iteration over ``steps`` of ``trajectory``; returns mean loss statistics."""
+        self.model.train()
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl_old": 0.0, "kl_ref": 0.0}
+        grad_norms: list[float] = []
+        chunk = self.config.steps_per_update
+        for start in range(0, len(steps), chunk):
+            group = steps[start : start + chunk]
+            self.optimizer.zero_grad(set_to_none=True)
+            for step in group:
+                new_lp, mean, std = step_log_prob(self.model, trajectory, step, self.noise_level)
+                out = flow_grpo_step_loss(
+                    new_lp,
+                    trajectory.log_probs[:, step],
+                    advantages,
+                    self.objective,
+                    self._kl_to_reference(trajectory, step, mean, std),
+                )
+                (out.loss / len(group)).backward()
+                totals["loss"] += float(out.loss.detach())
+                totals["clip_fraction"] += float(out.clip_fraction)
+                totals["approx_kl_old"] += float(out.approx_kl_old)
+                totals["kl_ref"] += float(out.kl_ref)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            grad_norms.append(float(norm))
+            self.optimizer.step()
+        self.model.eval()
+        stats = {key: value / len(steps) for key, value in totals.items()}
+        stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return stats
