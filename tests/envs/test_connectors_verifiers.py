@@ -162,3 +162,49 @@ def test_unknown_env_is_a_config_error(qwen3, engine_url) -> None:
     ctx = _ctx(qwen3, engine_url, {"env": f"{__name__}:no_such_env", "family": "qwen3"})
     with pytest.raises(ConfigError, match="cannot be imported"):
         _run(rollout, ctx, [Prompt(index=0, prompt="x")])
+
+
+def test_a_session_that_fills_max_seq_len_is_truncated_with_its_tokens(qwen3, engine_url) -> None:
+    from miles.plugins import load_component
+    from miles.types import Prompt, Status
+
+    family, tokenizer = qwen3
+    prompt_len = len(family.render_ids(tokenizer, [{"role": "user", "content": "Say hi."}]))
+    rollout = load_component("rollout", "verifiers")(generate_fn="default")
+    # Room for the first reply (2 tokens) only: the environment's second turn does not fit.
+    options = {"env": f"{__name__}:multi_turn_env", "family": "qwen3", "max_seq_len": prompt_len + 3}
+    ctx = _ctx(qwen3, engine_url, options, n=1)
+    try:
+        [group] = _run(rollout, ctx, [Prompt(index=0, prompt="Say hi.", label="Hi")])
+    finally:
+        rollout.close()
+    [sample] = group.samples
+    assert sample.status is Status.TRUNCATED
+    assert sample.metadata["exit_reason"] == "token_limit"
+    assert sample.loss_mask == [1, 1] and len(sample.response_ids) == 2  # what was sampled, kept
+
+
+def test_uses_the_runs_session_server_when_there_is_one(qwen3, engine_url) -> None:
+    from miles.engines.client import SGLangClient
+    from miles.interfaces import AgenticContext
+    from miles.plugins import load_component
+    from miles.session_server.app import ServerState
+    from miles.session_server.service import session_service
+    from miles.sessions import SessionStore
+    from miles.types import Prompt, SamplingParams
+
+    family, tokenizer = qwen3
+    state = ServerState(
+        store=SessionStore(mode="linear"),
+        family=family,
+        tokenizer=tokenizer,
+        engines=[SGLangClient(engine_url)],
+        sampling=SamplingParams(max_new_tokens=8),
+    )
+    rollout = load_component("rollout", "verifiers")(generate_fn="default")
+    with session_service(state) as service:
+        ctx = _ctx(qwen3, engine_url, {"env": f"{__name__}:single_turn_env"}, n=1)
+        ctx.agentic = AgenticContext(family=family, server=service)
+        [group] = _run(rollout, ctx, [Prompt(index=0, prompt="Say hi.", label="Hi")])
+    assert rollout._own_server is None  # no second server: the run's served every turn
+    assert group.samples[0].reward == 1.0 and group.samples[0].response_ids
