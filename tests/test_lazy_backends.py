@@ -21,7 +21,13 @@ SCRIPT = textwrap.dedent(
     from miles.models.registry import resolve_model
 
     build_components(config, resolve_model(config.model.path))
-    heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("megatron", "miles_megatron", "transformer_engine"))
+    # miles-megatron's plugin hooks (its recipe section, its pre-flight check) load with every run;
+    # megatron-core and the backend itself must not.
+    light = ("miles_megatron", "miles_megatron.hooks", "miles_megatron.config")
+    heavy = sorted(
+        m for m in sys.modules
+        if m.split(".")[0] in ("megatron", "miles_megatron", "transformer_engine") and m not in light
+    )
     print("IMPORTED:" + ",".join(heavy))
     """
 )

@@ -1,0 +1,31 @@
+"""The ``megatron`` recipe section: the parallel layout and device of the Megatron-core backend."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class MegatronOptions(BaseModel):
+    """Options of the Megatron-core training backend (recipe key ``megatron``).
+
+    The world is ``num_ranks`` processes, one GPU each; data parallelism takes what the
+    model-parallel sizes leave (``miles_megatron.layout.plan_layout``).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    num_ranks: int = Field(1, ge=1, description="trainer rank processes, one GPU each")
+    device: Literal["cuda"] = Field("cuda", description="megatron-core trains on CUDA only")
+    tensor_parallel: int = Field(1, ge=1, description="TP: attention heads and MLP columns split over ranks")
+    pipeline_parallel: int = Field(1, ge=1, description="PP: decoder layers split into stages")
+    context_parallel: int = Field(1, ge=1, description="CP: each sequence split over ranks")
+    expert_parallel: int = Field(1, ge=1, description="EP: MoE experts split over ranks")
+    expert_tensor_parallel: int | None = Field(
+        None, ge=1, description="ETP: TP inside each expert (None: the same as tensor_parallel)"
+    )
+    sequence_parallel: bool = Field(
+        False, description="shard activations outside attention/MLP over the TP group (needs TP > 1)"
+    )
+    params_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="dtype of the model weights")
