@@ -52,6 +52,12 @@ CHECK = textwrap.dedent(
     result = CliRunner().invoke(cli, ["config", "validate", "--check", "--set", "backend=megatron"])
     print("EXIT", result.exit_code)
     print("OUTPUT", result.output.strip().replace("\\n", " | "))
+    bad = ["megatron.num_ranks=6", "megatron.tensor_parallel=4"]
+    result = CliRunner().invoke(
+        cli, ["config", "validate", "--check", "--set", "backend=megatron", *(a for b in bad for a in ("--set", b))]
+    )
+    print("LAYOUT_EXIT", result.exit_code)
+    print("LAYOUT", result.output.strip().replace("\\n", " | "))
     print("IMPORTED", sorted(m for m in sys.modules if m.split(".")[0] == "megatron"))
     """
 )
@@ -65,3 +71,7 @@ def test_validate_check_refuses_without_importing_megatron(tmp_path):
     assert lines["EXIT"] == "1", out.stdout + out.stderr
     assert REFUSAL in lines["OUTPUT"] and " | " not in lines["OUTPUT"]
     assert lines["IMPORTED"] == "[]"
+    # the recipe's own layout mistake is reported first, on any machine
+    assert lines["LAYOUT_EXIT"] == "1"
+    assert "TP x PP x CP = 4 x 1 x 1 = 4 does not divide the world of 6 ranks" in lines["LAYOUT"]
+    assert " | " not in lines["LAYOUT"]

@@ -32,13 +32,15 @@ def miles_config_sections() -> list[ConfigSection]:
 def miles_configure(config: Any) -> None:
     if config.backend != "megatron":
         return
-    problem = runtime_problem()
-    if problem is not None:
-        raise ConfigError(problem)
     options = getattr(config, "megatron", None) or MegatronOptions()
     from miles_megatron.layout import plan_layout
 
-    plan_layout(options)  # sizes that cannot divide the world are refused here, model shape at setup
+    # The recipe's own mistakes first (on any machine), then what this machine lacks. Sizes that
+    # cannot divide the world are refused here, the model's shape when the backend is set up.
+    plan_layout(options)
+    problem = runtime_problem()
+    if problem is not None:
+        raise ConfigError(problem)
     from miles_megatron.backend import NOT_BUILT
 
     raise ConfigError(NOT_BUILT)
