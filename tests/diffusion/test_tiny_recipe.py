@@ -57,11 +57,14 @@ def test_reward_rises(full_run: list[dict[str, float]]) -> None:
     assert last > first
 
 
+@pytest.mark.slow
 def test_two_deterministic_runs_are_equal_bit_for_bit(tmp_path: Path) -> None:
     recipe = replace(load_recipe("tiny_flow_grpo"), num_iterations=2)
+    switch_before = torch.are_deterministic_algorithms_enabled()
     a = run(recipe, tmp_path / "a")
     b = run(recipe, tmp_path / "b")
     assert _repeatable(a) == _repeatable(b)
+    assert torch.are_deterministic_algorithms_enabled() == switch_before  # restored after a run
     lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == a
     other = run(replace(recipe, seed=1))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -19,6 +21,17 @@ def enable_deterministic_mode(seed: int) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     torch.manual_seed(seed)
+
+
+@contextmanager
+def deterministic_mode(seed: int) -> Iterator[None]:
+    """:func:`enable_deterministic_mode` for the duration of a block; the previous switch returns after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    enable_deterministic_mode(seed)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def check_attention_backends(model: nn.Module) -> None:

@@ -7,6 +7,7 @@ own typed pieces, and writes one JSON line of metrics per iteration to ``DIR/met
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from miles_diffusion.deterministic import check_attention_backends, enable_deterministic_mode
+from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
 from miles_diffusion.flow_grpo import group_advantages
 from miles_diffusion.model import FlowModel, build_tiny_model
 from miles_diffusion.recipe import DiffusionRecipe, load_recipe
@@ -39,9 +40,20 @@ def run(
     out_dir: Path | None = None,
     on_metrics: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Train ``recipe`` for its iterations; return (and optionally write) the metrics of each."""
-    if recipe.deterministic:
-        enable_deterministic_mode(recipe.seed)
+    """Train ``recipe`` for its iterations; return (and optionally write) the metrics of each.
+
+    In deterministic mode, torch's deterministic-algorithms switch is on for the run and restored after.
+    """
+    mode = deterministic_mode(recipe.seed) if recipe.deterministic else contextlib.nullcontext()
+    with mode:
+        return _run(recipe, out_dir, on_metrics)
+
+
+def _run(
+    recipe: DiffusionRecipe,
+    out_dir: Path | None,
+    on_metrics: Callable[[dict[str, float]], None] | None,
+) -> list[dict[str, float]]:
     model = build_tiny_model(recipe.model, recipe.seed)
     model.eval()
     if recipe.deterministic:
