@@ -208,3 +208,37 @@ def test_uses_the_runs_session_server_when_there_is_one(qwen3, engine_url) -> No
         [group] = _run(rollout, ctx, [Prompt(index=0, prompt="Say hi.", label="Hi")])
     assert rollout._own_server is None  # no second server: the run's served every turn
     assert group.samples[0].reward == 1.0 and group.samples[0].response_ids
+
+
+def broken_env(kind: str) -> Any:
+    import verifiers as vf
+
+    class Broken(vf.MultiTurnEnv):
+        async def env_response(self, messages: Any, state: Any, **kwargs: Any) -> Any:
+            if kind == "infra":
+                raise vf.InfraError("the environment's backend went away")
+            raise RuntimeError("a bug in the environment")
+
+    return Broken(dataset=_dataset(), max_turns=3, rubric=vf.Rubric(funcs=[says_answer]))
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "reward", "reason"),
+    [("infra", "aborted", None, "environment_error"), ("bug", "failed", 0.0, "agent_error")],
+)
+def test_environment_failures(qwen3, engine_url, kind: str, status: str, reward: Any, reason: str) -> None:
+    from miles.plugins import load_component
+    from miles.types import Prompt, Status
+
+    rollout = load_component("rollout", "verifiers")(generate_fn="default")
+    options = {"env": f"{__name__}:broken_env", "env_args": {"kind": kind}, "family": "qwen3"}
+    try:
+        [group] = _run(
+            rollout, _ctx(qwen3, engine_url, options, n=1), [Prompt(index=0, prompt="Say hi.", label="Hi")]
+        )
+    finally:
+        rollout.close()
+    [sample] = group.samples
+    assert sample.status is Status(status) and sample.reward == reward
+    assert sample.metadata["exit_reason"] == reason
+    assert sample.response_ids  # the first reply was recorded before the environment failed

@@ -35,6 +35,8 @@ from miles.types import ExitReason, Group, Prompt, Sample, Status
 
 log = logging.getLogger("miles.connectors.verifiers")
 
+_RAISED = "miles_rollout_raised"  # marks the stand-in state of a rollout that raised
+
 
 class VerifiersOptions(ComponentOptions):
     """``rollout.options`` of the ``verifiers`` rollout."""
@@ -118,14 +120,17 @@ class VerifiersRollout:
         }
         opened = [service.open() for _ in range(ctx.n_samples_per_prompt)]
         clients = [_client(base_url, opts.request_timeout_s) for _, base_url in opened]
+
+        async def attempt(client: Any) -> Any:
+            try:
+                return await env.rollout(_rollout_input(env, prompt), client, opts.model, dict(sampling))
+            except Exception as exc:  # verifiers keeps its own errors in the state; this is any other
+                log.warning("a verifiers rollout raised on prompt %d: %r", prompt.index, exc)
+                return {"error": exc, _RAISED: True}
+
         try:
-            states = await asyncio.gather(
-                *(
-                    env.rollout(_rollout_input(env, prompt), client, opts.model, dict(sampling))
-                    for client in clients
-                )
-            )
-            scored = await _score(env, list(states))
+            states = await asyncio.gather(*(attempt(client) for client in clients))
+            scored = await _score(env, [s for s in states if not s.get(_RAISED)])
         finally:
             closed = [service.close(session_id) for session_id, _ in opened]
             await asyncio.gather(*(client.close() for client in clients))
@@ -164,6 +169,8 @@ def _rollout_input(env: Any, prompt: Prompt) -> dict[str, Any]:
 
 async def _score(env: Any, states: list[Any]) -> str | None:
     """Score the group with the env's rubric; the reason it could not, or None."""
+    if not states:
+        return None
     try:
         await env.rubric.score_group(states)
     except Exception as exc:
