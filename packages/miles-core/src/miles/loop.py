@@ -57,6 +57,7 @@ def train(config: MilesConfig, *, resume: bool = False, overwrite: bool = False)
     start = start_run(config, resume=resume, overwrite=overwrite, hooks=Hooks(pm))
     if config.warm_start is not None:  # a supervised stage first; RL starts from its final policy
         start.model_path = run_warm_start(config, start.run, resume=resume)
+        Hooks(pm).miles_configure(config=config)  # plugins configured by the stage: back to this run
     stop = StopRequest()
     state, final_dir = start.state, None
     with Session(config, start, stop, pm) as run:

@@ -42,16 +42,18 @@ def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
 
     if hooks is None:
         hooks = Hooks(get_plugin_manager())
+    # A warm start's supervised stage is checked as fully as the run itself, and first, so that
+    # plugins that configure themselves end up configured for this run.
+    if config.warm_start is not None:
+        from miles.driver.warm_start import warm_start_config
+
+        close_components(preflight(warm_start_config(config, config.run_dir), hooks).components)
     # Plugins see (and may refuse) the config before anything is written or started.
     hooks.miles_configure(config=config)
     # Every component's options against its model, with the file and line of each bad key.
     check_component_options(config)
     check_trackers(config)  # each tracker's library is installed (a one-line install hint if not)
     check_plot_requirements(config)  # tracking.plot: true needs matplotlib, known now rather than at the end
-    if config.warm_start is not None:  # the supervised stage is checked as fully as the run itself
-        from miles.driver.warm_start import warm_start_config
-
-        close_components(preflight(warm_start_config(config, config.run_dir), hooks).components)
     # Bad models and datasets fail here, before the run directory is touched.
     model_path = resolve_model(config.model.path)
     components = build_components(config, model_path, hooks)
