@@ -114,6 +114,13 @@ def test_run_that_reaches_the_model_is_one_line(bare: Path, tmp_path: Path) -> N
     (tmp_path / "user.yaml").write_text(USER_RECIPE)
     (tmp_path / "mymod.py").write_text(USER_MODULE)
     overrides = ["--set", "backend=mymod:Backend", "--set", "transport=mymod:Transport"]
+    # TensorBoard (on by default) needs the tracking extra, and says so first.
+    line = _one_error(_run(bare, "run", "user.yaml", "--dry-run", *overrides, cwd=tmp_path))
+    assert line == (
+        "Error: tracker 'tensorboard' needs tensorboard, which is not installed: "
+        "pip install 'miles-core[tracking]' (or drop it from the tracking section)"
+    )
+    overrides += ["--set", "tracking.tensorboard=false"]
     for command in (["run", "user.yaml", "--dry-run"], ["config", "validate", "user.yaml", "--check"]):
         line = _one_error(_run(bare, *command, *overrides, cwd=tmp_path))
         assert re.fullmatch(
