@@ -39,7 +39,9 @@ def main() -> None:
     from miles.eval.greedy import greedy_exact_rate
     from miles.models.registry import resolve_model
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--no-warm-start", action="store_true", help="also run RL from random weights")
     parser.add_argument("--out", default="benchmarks/results/default_recipe.json")
     args = parser.parse_args()
