@@ -347,24 +347,27 @@ def test_fifo_step_lock_lets_a_waiter_in_after_one_step() -> None:
 
     lock = FifoLock()
     steps = 0
+    steps_with_a_waiter = 0  # steps the scheduler ran while someone was queued for the lock
     stop = threading.Event()
 
     def loop() -> None:  # the scheduler: retakes the lock right after every step
-        nonlocal steps
+        nonlocal steps, steps_with_a_waiter
         while not stop.is_set():
             with lock:
                 steps += 1
+                steps_with_a_waiter += lock.waiting() > 0
 
     worker = threading.Thread(target=loop)
     worker.start()
     while steps < 10:
         time.sleep(0.0005)
-    before = steps
-    with lock:  # a weight update
-        waited = steps - before
+    with lock:  # a weight update: it waits for the step in progress only, not for the batch to drain
+        pass
     stop.set()
     worker.join()
-    assert waited <= 2
+    # Counted from the moment the update queued (not from when this thread last looked at `steps`,
+    # which the GIL may leave far behind on a loaded machine).
+    assert steps_with_a_waiter <= 1
 
 
 def test_weight_update_and_abort_between_paged_steps(model_dir: Path, engine_tmp: Path) -> None:

@@ -91,6 +91,11 @@ class FifoLock:
         with self._cond:
             return self._next != self._serving
 
+    def waiting(self) -> int:
+        """How many callers are queued behind the holder."""
+        with self._cond:
+            return max(0, self._next - self._serving - 1)
+
     def __enter__(self) -> bool:
         return self.acquire()
 
