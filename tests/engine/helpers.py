@@ -119,29 +119,43 @@ def greedy_local(model: Any, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
+GREEDY_FIELDS: dict[str, Any] = dict(
+    temperature=0.0,
+    top_p=1.0,
+    top_k=-1,
+    stop_token_ids=[],
+    seed=None,
+    ignore_eos=True,
+    return_logprob=True,
+    return_routed_experts=False,
+)
+
+
+def greedy_request(engine: Any, prompt: list[int], *, max_new_tokens: int, **params: Any) -> Any:
+    """An in-process engine request: greedy, with log-probs, no stop (``params`` override any field)."""
+    return engine.make_request(
+        input_ids=prompt, rid=None, **(GREEDY_FIELDS | {"max_new_tokens": max_new_tokens} | params)
+    )
+
+
 def generate_in_process(
-    engine: Any, prompts: list[list[int]], *, max_new_tokens: int, timeout: float, **params: Any
+    engine: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    timeout: float,
+    per_prompt: list[dict[str, Any]] | None = None,
+    **params: Any,
 ) -> list[Any]:
     """Submit every prompt to an in-process engine's scheduler at once (greedy, log-probs, no stop
-    unless ``params`` say otherwise) and wait for all answers."""
+    unless ``params``, or that prompt's ``per_prompt`` entry, say otherwise) and wait for all answers."""
     import threading
 
     done = threading.Semaphore(0)
     reqs = []
-    for p in prompts:
-        fields: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            top_p=1.0,
-            top_k=-1,
-            stop_token_ids=[],
-            seed=None,
-            ignore_eos=True,
-            return_logprob=True,
-            return_routed_experts=False,
-        )
-        fields.update(params)
-        req = engine.make_request(input_ids=p, rid=None, **fields)
+    for i, p in enumerate(prompts):
+        own = per_prompt[i] if per_prompt is not None else {}
+        req = greedy_request(engine, p, max_new_tokens=max_new_tokens, **(params | own))
         req.on_done = lambda r: done.release()
         reqs.append(req)
     for r in reqs:

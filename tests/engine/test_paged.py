@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine.helpers import full_forward_logprobs, generate_in_process, load_local, make_tiny_qwen3
+from engine.helpers import (
+    full_forward_logprobs,
+    generate_in_process,
+    greedy_request,
+    load_local,
+    make_tiny_qwen3,
+)
 from miles.engines.embedded.paged.allocator import BlockAllocator, OutOfBlocks
 from miles.engines.embedded.paged.sampling import SamplingTensors, sample_torch
 
@@ -222,20 +228,7 @@ def test_refusals_and_scoring(model_dir: Path, engine_tmp: Path) -> None:
     paged = _paged(model_dir)
     dynamic = _engine(model_dir, kv_cache="dynamic")
     try:
-        req = paged.make_request(
-            input_ids=PROMPTS[0],
-            rid=None,
-            max_new_tokens=3,
-            temperature=0.0,
-            top_p=1.0,
-            top_k=-1,
-            stop_token_ids=[],
-            seed=None,
-            ignore_eos=True,
-            return_logprob=True,
-            return_routed_experts=False,
-            top_logprobs_num=2,
-        )
+        req = greedy_request(paged, PROMPTS[0], max_new_tokens=3, top_logprobs_num=2)
         with pytest.raises(ValueError, match="kv-cache dynamic"):
             paged.scheduler.submit(req)
         # Pure scoring is served (by the DynamicCache runner) with the same values as the dynamic engine.

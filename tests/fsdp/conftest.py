@@ -19,21 +19,3 @@ from fsdp.helpers import build_tiny_qwen3  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3")))
-
-
-@pytest.fixture
-def backend_factory():
-    """Start FSDPBackends and always shut them down (ranks are real processes)."""
-    from miles_fsdp.backend import FSDPBackend
-
-    started = []
-
-    def start(spec):
-        b = FSDPBackend()
-        started.append(b)
-        b.setup(spec)
-        return b
-
-    yield start
-    for b in started:
-        b.shutdown()

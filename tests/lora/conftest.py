@@ -39,21 +39,3 @@ def adapters(tiny_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
         "a": make_adapter(tiny_base, root / "a", seed=1, rank=4, targets=["q_proj", "v_proj", "down_proj"]),
         "b": make_adapter(tiny_base, root / "b", seed=2, rank=2, targets=["o_proj", "gate_proj"]),
     }
-
-
-@pytest.fixture
-def backend_factory():
-    """Start FSDPBackends and always shut them down (ranks are real processes)."""
-    from miles_fsdp.backend import FSDPBackend
-
-    started = []
-
-    def start(spec):
-        b = FSDPBackend()
-        started.append(b)
-        b.setup(spec)
-        return b
-
-    yield start
-    for b in started:
-        b.shutdown()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -51,29 +50,15 @@ def submit_all(
     engine: Any, jobs: list[tuple[list[int], str | None]], *, max_new_tokens: int = 6
 ) -> list[Any]:
     """Submit every (prompt, adapter) at once (greedy, log-probs) and wait for every answer."""
-    done = threading.Semaphore(0)
-    reqs = []
-    for prompt, lora in jobs:
-        req = engine.make_request(
-            input_ids=prompt,
-            rid=None,
-            max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            top_p=1.0,
-            top_k=-1,
-            stop_token_ids=[],
-            seed=None,
-            ignore_eos=True,
-            return_logprob=True,
-            return_routed_experts=False,
-            lora=lora,
-        )
-        req.on_done = lambda r: done.release()
-        reqs.append(req)
-    for r in reqs:
-        engine.scheduler.submit(r)
-    for _ in reqs:
-        assert done.acquire(timeout=60)
+    from engine.helpers import generate_in_process
+
+    reqs = generate_in_process(
+        engine,
+        [prompt for prompt, _ in jobs],
+        max_new_tokens=max_new_tokens,
+        timeout=60,
+        per_prompt=[{"lora": lora} for _, lora in jobs],
+    )
     for r in reqs:
         assert r.error is None, r.error
     return reqs

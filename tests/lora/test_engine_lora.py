@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine.helpers import greedy_request
 
 from lora.helpers import forward_logprobs, merged_model, submit_all
 
@@ -101,20 +102,7 @@ def test_the_paged_path_refuses_adapters_with_the_fix(tiny_base, adapters):
     with pytest.raises(LoraError, match="--kv-cache dynamic"):
         eng.load_lora_adapter("a", str(adapters["a"]))
     with pytest.raises(ValueError, match="--kv-cache dynamic"):
-        eng.make_request(
-            input_ids=PROMPTS[0],
-            rid=None,
-            max_new_tokens=2,
-            temperature=0.0,
-            top_p=1.0,
-            top_k=-1,
-            stop_token_ids=[],
-            seed=None,
-            ignore_eos=True,
-            return_logprob=True,
-            return_routed_experts=False,
-            lora="a",
-        )
+        greedy_request(eng, PROMPTS[0], max_new_tokens=2, lora="a")
 
 
 def test_client_bodies_name_the_adapter_as_sglang_does():
