@@ -42,7 +42,7 @@ for _key, _value in RAY_ENV.items():
     os.environ.setdefault(_key, _value)
 
 # The tiny model and the backend starter are the FSDP tests' own (the Ray rank group runs the same backend).
-from fsdp.conftest import backend_factory, tiny_model  # noqa: E402, F401
+from fsdp.conftest import tiny_model  # noqa: E402, F401
 
 _STOP_GRACE_S = 1.0  # Ray's daemons often ignore SIGTERM; the cluster is thrown away anyway
 
