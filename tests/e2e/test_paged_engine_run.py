@@ -1,5 +1,6 @@
 """A real RL run on the embedded engine's paged path (CPU): launched through the recipe's engine.options,
-weights updated every step, and the engine's log-probs equal to the trainer's."""
+weights updated every step, the KV cache released after every rollout and resumed before the next
+(engine.release_memory, colocated), and the engine's log-probs equal to the trainer's."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def test_rl_run_on_the_paged_engine_path(small_run) -> None:
         "engine.options.chunk_tokens=64",
         "rollout.n_samples_per_prompt=8",
         "run.num_steps=2",
+        "transport=colocated",
+        "engine.release_memory=true",
     )
     result = train(config)
     with open(result.metrics_path, encoding="utf-8") as f:
@@ -30,6 +33,9 @@ def test_rl_run_on_the_paged_engine_path(small_run) -> None:
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["engine/weight_version"] == r["step"] + 1
+        # Released after every rollout; resumed (a real call) from the second rollout on.
+        assert r["time/engine_release_s"] > 0
+    assert rows[1]["time/engine_resume_s"] > 0
     # The trainer's log-probs of the engine's tokens, against the engine's own (TIS ratio), on every
     # step that trained (a step whose groups the nonzero_std filter all dropped has none).
     trained = [r for r in rows if "correction/ratio_mean" in r]

@@ -57,6 +57,8 @@ class TransportNeeds:
     placement: PlacementMode | None = None
     launched_engines: bool = False  # engines this run starts on this machine (not engine.urls)
     receiver: str | None = None  # the engine-side receiver it talks to; the engine kind must have it
+    # The device type trainer and engines must run on (None: any), e.g. "cuda" for CUDA IPC handles.
+    device_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,7 @@ def check_needs(config: MilesConfig) -> None:
     if config.mode != "rl":
         return
     _check_transport(config)
+    _check_release_memory(config)
     _check_generate(config)
     _check_filters(config)
 
@@ -255,6 +258,8 @@ def _check_transport(config: MilesConfig) -> None:
         raise ConfigError(
             f"transport {name} needs engines launched by this run on this machine, not engine.urls"
         )
+    if needs.device_type is not None:
+        _check_device_type(config, name, needs.device_type)
     caps = engine_capabilities(load_component("engine", config.engine.launcher))
     if needs.receiver is not None and needs.receiver not in caps.receivers:
         broken = dict(caps.unavailable).get(needs.receiver)
@@ -267,6 +272,31 @@ def _check_transport(config: MilesConfig) -> None:
             f"transport {name} talks to an engine-side {needs.receiver!r} receiver, which engine.launcher "
             f"{config.engine.launcher!r} does not have (it has: {', '.join(sorted(caps.receivers)) or 'none'}); "
             "choose a transport that engine kind supports"
+        )
+
+
+def _check_device_type(config: MilesConfig, transport: str, device_type: str) -> None:
+    """The engines (engine.device) and the trainer (the backend section's ``device``, if it has one)."""
+    section = getattr(config, config.backend, None)
+    devices = {"engine.device": config.engine.device}
+    trainer_device = getattr(section, "device", None)
+    if isinstance(trainer_device, str):
+        devices[f"{config.backend}.device"] = trainer_device
+    wrong = {k: v for k, v in devices.items() if v.split(":")[0] != device_type}
+    if wrong:
+        got = ", ".join(f"{k} is {v!r}" for k, v in wrong.items())
+        raise ConfigError(
+            f"transport {transport} needs the trainer and the engines on {device_type} devices, but {got}; "
+            f"set them to {device_type} (one shared device), or choose another transport"
+        )
+
+
+def _check_release_memory(config: MilesConfig) -> None:
+    if config.engine.release_memory and resolved_placement(config) != SHARED_DEVICES:
+        raise ConfigError(
+            "engine.release_memory frees the engines' KV cache while the trainer trains on the devices they "
+            f"share; this run's placement is {resolved_placement(config)!r}, where nothing is shared: set "
+            "placement.mode: colocated (or a colocated transport), or engine.release_memory: false"
         )
 
 

@@ -120,6 +120,13 @@ class EngineSection(Section):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="default: model.dtype")
     max_batch_size: int = Field(64, ge=1, description="requests batched into one forward pass")
     startup_timeout_s: float = Field(180.0, gt=0)
+    release_memory: bool = Field(
+        False,
+        description="colocated placement: free the engines' KV cache after each rollout, while the trainer "
+        "uses the devices, and allocate it again before the engines generate (the engines' "
+        "/release_memory_occupation and /resume_memory_occupation; the embedded engine needs its paged KV "
+        "cache)",
+    )
     # Fault tolerance (docs/reliability.md): the driver health-checks the engines, quarantines a dead
     # or hung one, retries its requests on the others and restarts it.
     health_check_interval_s: float = Field(

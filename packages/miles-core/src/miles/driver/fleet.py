@@ -55,7 +55,7 @@ from miles.capabilities import shares_devices
 from miles.config.schema import MilesConfig
 from miles.driver.services import rollout_engines
 from miles.engines import health
-from miles.engines.client import SyncEngineClient
+from miles.engines.client import RELEASE_MEMORY, RESUME_MEMORY, EngineCall, SyncEngineClient
 from miles.errors import ConfigError, EngineError
 from miles.interfaces import EngineClient, TransportStats
 
@@ -206,6 +206,7 @@ class EngineFleet:
         self._catching_up: dict[str, threading.Thread] = {}
         self._threads: list[threading.Thread] = []
         self._http = httpx.Client(timeout=settings.health_timeout_s, trust_env=False)
+        self._released = False  # the engines' KV caches are freed (engine.release_memory)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -308,6 +309,23 @@ class EngineFleet:
         reconnect()
         with self._lock:
             self._reconnected = target
+
+    def release_memory(self) -> None:
+        """Free every serving engine's KV cache (``engine.release_memory``: colocated, after a rollout)."""
+        self._memory_call(RELEASE_MEMORY)
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Allocate the KV caches again before the engines generate (nothing to do unless released)."""
+        if self._released:
+            self._memory_call(RESUME_MEMORY)
+            self._released = False
+
+    def _memory_call(self, call: EngineCall) -> None:
+        # A restarted engine comes up holding its memory; resuming it is a no-op, releasing it works.
+        for url in self.board.available_urls():
+            with SyncEngineClient(url, timeout=self.settings.restart_timeout_s) as client:
+                client.call(call)
 
     def metrics(self) -> dict[str, float]:
         """Counters for the step's metrics (``engine/``): restarts, faults, retried requests, out now."""

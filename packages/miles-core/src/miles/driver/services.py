@@ -272,6 +272,23 @@ def offloaded_while(config: MilesConfig, backend: Any) -> Iterator[None]:
             backend.onload()
 
 
+@contextlib.contextmanager
+def engine_memory_held(config: MilesConfig, fleet: Any) -> Iterator[None]:
+    """``engine.release_memory``: the engines hold their KV cache only while they generate."""
+    if fleet is None or not config.engine.release_memory:
+        yield
+        return
+    from miles.tracking.timing import timed
+
+    with timed("engine_resume"):
+        fleet.resume_memory()
+    try:
+        yield
+    finally:
+        with timed("engine_release"):
+            fleet.release_memory()
+
+
 def check_engine_versions(loop: Any, engines: list[Any], version: int) -> None:
     """After an update every engine must report the new version; anything else is a hard error."""
 

@@ -24,7 +24,14 @@ from miles.driver.fleet import EngineFleet, engine_fleet
 from miles.driver.generation import RolloutStage, SyncGeneration
 from miles.driver.hooks import Hooks
 from miles.driver.interrupts import StopRequest
-from miles.driver.services import describe_update, offloaded_while, placement_session, served_teacher, trainer
+from miles.driver.services import (
+    describe_update,
+    engine_memory_held,
+    offloaded_while,
+    placement_session,
+    served_teacher,
+    trainer,
+)
 from miles.driver.sft import SFTStage
 from miles.driver.start import RunStart
 from miles.driver.training import make_train_batch
@@ -58,9 +65,10 @@ class RLStage:
 
     def next_batch(self, step: int) -> StepBatch:
         s = self.s
-        # Colocated: the trainer leaves the devices. Timed as rollout: under sync the generation,
-        # under fully_async the wait for the buffer.
-        with offloaded_while(s.config, s.backend), timed("rollout"):
+        # Colocated: the trainer leaves the devices (and, with engine.release_memory, the engines hold
+        # their KV cache only meanwhile). Timed as rollout: under sync the generation, under
+        # fully_async the wait for the buffer.
+        with offloaded_while(s.config, s.backend), engine_memory_held(s.config, s.fleet), timed("rollout"):
             groups, metrics = self.generation.collect(step)
         if s.console is not None:
             s.console.show_samples(groups)
@@ -242,6 +250,7 @@ class Session:
             return
         with timed("eval"):  # a shared-engine evaluation may hold the step; a snapshot one starts
             if self._eval_due(step):
+                self._engines_hold_memory()
                 self.evaluator.start(step)
             self._log_evaluations(step)
 
@@ -258,6 +267,7 @@ class Session:
             self.status = "interrupted"
             return None
         if self._eval_stack is not None:  # wait for the evaluations still running, then log them
+            self._engines_hold_memory()
             self._eval_stack.close()
             self._log_evaluations(self.config.run.num_steps - 1)
         final_dir = None
@@ -277,6 +287,12 @@ class Session:
         """Held around the driver's backend calls: the fleet catches a restarted engine up from the
         trainer's weights on its own thread, and must not use the backend at the same time."""
         return self.fleet.backend_lock if self.fleet is not None else contextlib.nullcontext()
+
+    def _engines_hold_memory(self) -> None:
+        """An evaluation generates on the engines: with engine.release_memory they need their KV cache
+        back (the next rollout frees it again; an evaluation still running then waits for the one after)."""
+        if self.fleet is not None and self.config.engine.release_memory:
+            self.fleet.resume_memory()
 
     def _update_due(self, step: int) -> bool:
         if self.config.schedule == "sync":

@@ -331,6 +331,9 @@ WEIGHT_VERSION = EngineCall("GET", "/get_weight_version")
 MODEL_INFO = EngineCall("GET", "/get_model_info")
 SERVER_INFO = EngineCall("GET", "/get_server_info")
 HEALTH = EngineCall("GET", "/health")
+# SGLang's names; the embedded engine frees (and re-allocates) its paged KV pool.
+RELEASE_MEMORY = EngineCall("POST", "/release_memory_occupation", {})
+RESUME_MEMORY = EngineCall("POST", "/resume_memory_occupation", {})
 
 
 def abort_call(rid: str | None = None, *, abort_all: bool = False) -> EngineCall:
@@ -788,6 +791,13 @@ class SGLangClient:
 
     async def continue_generation(self) -> None:
         await self.call(CONTINUE)
+
+    async def release_memory_occupation(self) -> None:
+        """Free the engine's KV cache (requests in flight are retracted and wait for the resume)."""
+        await self.call(RELEASE_MEMORY)
+
+    async def resume_memory_occupation(self) -> None:
+        await self.call(RESUME_MEMORY)
 
     async def flush_cache(self, *, retries: int = 60, interval_s: float = 1.0) -> None:
         """SGLang refuses (HTTP 400) to flush while requests are in flight; retry until it is idle."""

@@ -271,6 +271,11 @@ class PagedRunner:
         self.pool.resume()
         self.allocator.reset()
         self.model.pool = self.pool
+        if self.graphs is not None:
+            # The graphs read the pool at its old addresses: capture them again now, so the time is the
+            # resume's and not the first request's.
+            with torch.inference_mode():
+                self.graphs.capture()
 
 
 def _read(tokens: Any, logprobs: Any) -> Sampled:
