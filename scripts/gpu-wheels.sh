@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 NEEDED="pluggy stevedore click rich markdown-it-py mdurl pygments pydantic pydantic-core annotated-types
 typing-inspection pyyaml httpx httpcore h11 anyio sniffio idna certifi fastapi starlette uvicorn
 annotated-doc pytest-timeout aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
-opentelemetry-api importlib-metadata zipp xxhash zstandard orjson"
+opentelemetry-api importlib-metadata zipp xxhash zstandard orjson
+trl datasets dill multiprocess"
 rm -rf .whl && mkdir -p .whl
 uv build --all-packages --wheel -o .whl -q
 for d in tests/plugins/*/; do uv build --wheel -o .whl -q "$d"; done
