@@ -232,18 +232,20 @@ def miles_overrides(spec: dict[str, Any], variant: str, out: Path) -> list[str]:
         common = [
             o.replace("=cuda", "=cpu") for o in common if "param_dtype" not in o and "engine.dtype" not in o
         ]
-        return common + [
+        return [
+            *common,
             "transport=colocated",
             "engine.options.kv_cache=paged",
             "engine.options.kv_tokens=8192",
         ]
     if variant == "miles":
-        return common + [
+        return [
+            *common,
             "transport=cuda-ipc",
             "engine.release_memory=true",
             "engine.options.mem_fraction=0.5",
         ]
-    return common + ["transport=colocated", "engine.options.mem_fraction=0.3"]
+    return [*common, "transport=colocated", "engine.options.mem_fraction=0.3"]
 
 
 def run_miles(spec: dict[str, Any], variant: str, workdir: Path, timeout: float) -> dict[str, Any]:
