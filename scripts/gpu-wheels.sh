@@ -8,14 +8,16 @@ NEEDED="pluggy stevedore click rich markdown-it-py mdurl pygments pydantic pydan
 typing-inspection pyyaml httpx httpcore h11 anyio sniffio idna certifi fastapi starlette uvicorn
 annotated-doc pytest-timeout aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
 opentelemetry-api importlib-metadata zipp xxhash zstandard orjson
-trl datasets dill multiprocess"
+trl datasets dill multiprocess megatron-core"
 rm -rf .whl && mkdir -p .whl
 uv build --all-packages --wheel -o .whl -q
 for d in tests/plugins/*/; do uv build --wheel -o .whl -q "$d"; done
 pins=$(uv export --frozen --no-hashes --all-groups --format requirements-txt | sed 's/ *;.*//' | grep '==')
 specs=()
 for name in $NEEDED; do
-    spec=$(grep -i "^${name}==" <<<"$pins" || true)
+    # A package pinned per Python version (megatron-core) is listed once per pin: take the last,
+    # the newest Python's (the GPU machine runs 3.12).
+    spec=$(grep -i "^${name}==" <<<"$pins" | tail -n1 || true)
     if [ -n "$spec" ]; then specs+=("$spec"); fi
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

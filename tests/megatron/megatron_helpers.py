@@ -47,3 +47,30 @@ def make_checkpoint(family: str, directory: Path, seed: int = 0, **extra: Any) -
 
 def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
+
+
+def make_batch(n: int = 5, seed: int = 0, step: int = 0, vocab: int = 96, positive: bool = False):
+    """A random train batch over ``vocab`` tokens: prompts of 2-6 tokens, responses of 1-7, one masked token."""
+    import random
+
+    from miles.types import Prompt, Sample, TrainBatch
+
+    rng = random.Random(seed)
+    samples, advantages = [], []
+    for i in range(n):
+        p, r = rng.randint(2, 6), rng.randint(1, 7)
+        mask = [1] * r
+        if r > 2:
+            mask[rng.randrange(r)] = 0
+        samples.append(
+            Sample(
+                prompt=Prompt(index=i, prompt=f"p{i}"),
+                prompt_ids=[rng.randrange(vocab) for _ in range(p)],
+                response_ids=[rng.randrange(vocab) for _ in range(r)],
+                rollout_logprobs=[-(i * 100 + j + 1) / 1000.0 for j in range(r)],
+                loss_mask=mask,
+                weight_versions=[0] * r,
+            )
+        )
+        advantages.append([1.0 if positive else rng.choice([-1.0, 0.5, 1.0])] * r)
+    return TrainBatch(samples=samples, advantages=advantages, step=step)

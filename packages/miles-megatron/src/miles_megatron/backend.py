@@ -1,66 +1,253 @@
 """``backend: megatron`` as the driver selects it (entry point ``miles.backends:megatron``).
 
-What exists today is the part that runs before a rank starts: the no-CUDA refusal
-(``hooks.runtime_problem``), the layout plan (``layout``), the model config and the HF
-weight conversion (``model_config``, ``convert``). The training step, checkpoints, weight
-export to the transports, R3, offload and streaming are not built yet (issue 17), so
-``setup`` refuses in one line after its checks instead of pretending to train.
+``setup`` checks everything it can before touching the GPU, in one sentence each (the machine,
+the recipe's sections, the layout against the model, what this backend does not compute yet),
+then builds the trainer (``trainer.MegatronTrainer``). One GPU for now: the run's only rank
+lives in the driver's process; the multi-rank launch belongs to the multi-GPU issue (the
+layout, weight slicing and export paths for larger sizes are written and CPU-tested).
+
+The driver-side planning (micro-batches, mini-batches for several optimizer steps per batch)
+is plain Python here; the trainer turns rows into megatron's tensors on the device.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
+import time
 from typing import Any
 
-from miles.errors import ConfigError
+from pydantic import ValidationError
+
+from miles.config.schema import TrainSection
+from miles.errors import ConfigError, ModelError
 from miles.interfaces import BackendSpec, TransportStats
 from miles.types import Sample, TrainBatch
+from miles_megatron.batch import (
+    OLD_LOGPROBS,
+    Row,
+    batch_rows,
+    check_batch,
+    mini_batches,
+    plan_micro_batches,
+    sample_row,
+)
 from miles_megatron.config import MegatronOptions
+from miles_megatron.convert import Spec
 from miles_megatron.hf_config import HFModel
 from miles_megatron.hooks import runtime_problem
 from miles_megatron.layout import ModelShape, ParallelLayout, plan_layout
 
-NOT_BUILT = (
-    "backend 'megatron': the training step is not built yet (issue 17 has the HF conversion and layout "
-    "planning so far); use backend: fsdp"
-)
+log = logging.getLogger(__name__)
+
+_ALLOWED_WHILE_OFFLOADED = frozenset({"offload", "onload", "shutdown"})
+
+
+def validate_options(options: dict[str, Any]) -> tuple[TrainSection, MegatronOptions]:
+    """The ``train`` and ``megatron`` sections of a backend spec's options (unknown sections refused)."""
+    try:
+        train = TrainSection.model_validate(options.get("train", {}))
+        megatron = MegatronOptions.model_validate(options.get("megatron", {}))
+    except ValidationError as exc:
+        raise ConfigError(f"megatron backend options are invalid: {exc}") from exc
+    unknown = set(options) - {"train", "megatron"}
+    if unknown:
+        raise ConfigError(
+            f"megatron backend options: unknown section(s) {sorted(unknown)}; allowed: train, megatron"
+        )
+    return train, megatron
+
+
+def resolve_layer_spec(options: MegatronOptions) -> Spec:
+    """``auto`` is Transformer Engine's spec when it is installed, else megatron-core's local one."""
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    if options.layer_spec == "te" and not has_te:
+        raise ConfigError("megatron.layer_spec is 'te' but transformer-engine is not installed")
+    if options.layer_spec == "auto":
+        return "te" if has_te else "local"
+    return options.layer_spec
+
+
+def refusals(spec: BackendSpec, train: TrainSection, options: MegatronOptions, layer_spec: Spec) -> list[str]:
+    """What this backend cannot run yet for ``spec``, one sentence each (empty: it can)."""
+    out = []
+    if options.num_ranks != 1:
+        out.append(
+            f"megatron.num_ranks is {options.num_ranks}: this backend trains on one GPU so far "
+            "(multi-GPU runs are the multi-GPU issue's)"
+        )
+    unsupported = [s for s in spec.scores if s != OLD_LOGPROBS]
+    if unsupported:
+        out.append(f"the objective needs {unsupported}, which the megatron backend does not compute yet")
+    if spec.critic is not None:
+        out.append("a critic (PPO values) is not built for the megatron backend yet")
+    if train.lr_schedule != "constant":
+        out.append(
+            f"train.lr_schedule {train.lr_schedule!r}: the megatron backend has the constant schedule (with warmup) only"
+        )
+    if spec.placement.get("launcher", "local") != "local":
+        out.append("placement.launcher 'ray' is not built for the megatron backend yet")
+    if options.micro_batch_tokens is not None and layer_spec != "te":
+        out.append(
+            "megatron.micro_batch_tokens packs sequences (THD), which only Transformer Engine's attention "
+            "reads; megatron-core's local attention takes padded rows (unset it)"
+        )
+    if spec.temperature <= 0:
+        out.append(f"the rollout temperature must be > 0 to compute log-probs, got {spec.temperature}")
+    return out
 
 
 class MegatronBackend:
-    """``miles.interfaces.Backend`` on megatron-core; options come from the ``megatron`` section."""
+    """``miles.interfaces.Backend`` on megatron-core; options come from the ``train`` and ``megatron`` sections."""
 
     def __init__(self) -> None:
         self.layout: ParallelLayout | None = None
+        self.trainer: Any = None
+        self.spec: BackendSpec | None = None
+        self.train_opts: TrainSection | None = None
+        self.options: MegatronOptions | None = None
+        self._offloaded = False
 
     def setup(self, spec: BackendSpec) -> None:
+        if self.trainer is not None:
+            raise RuntimeError("MegatronBackend.setup called twice; shut it down first")
         problem = runtime_problem()
         if problem is not None:
             raise ConfigError(problem)
-        options = MegatronOptions.model_validate(spec.options.get("megatron", {}))
+        train, options = validate_options(spec.options)
+        if not os.path.isfile(os.path.join(spec.model_path, "config.json")):
+            raise ModelError(
+                f"megatron: model path {spec.model_path!r} is not a Hugging Face model directory"
+            )
         layout = plan_layout(options)
         layout.check_model(ModelShape.of(HFModel.from_dir(spec.model_path)))
-        self.layout = layout
-        raise ConfigError(NOT_BUILT)
+        layer_spec = resolve_layer_spec(options)
+        problems = refusals(spec, train, options, layer_spec)
+        if problems:
+            raise ConfigError("backend 'megatron': " + "; ".join(problems))
+        from miles.plugins import validate_component_ref
 
-    def _refuse(self) -> Any:
-        raise RuntimeError(NOT_BUILT)
+        validate_component_ref("loss", spec.loss)
+        if spec.correction:
+            validate_component_ref("correction", spec.correction)
+        from miles_megatron.trainer import MegatronTrainer
+
+        self.spec, self.train_opts, self.options, self.layout = spec, train, options, layout
+        self.trainer = MegatronTrainer(spec, layout, options, train, layer_spec)
+        log.info("megatron: one rank ready (%s spec, %s)", layer_spec, options.params_dtype)
+
+    # ------------------------------------------------------------------ steps
+
+    def _plan(self, rows: list[Row]) -> list[list[Row]]:
+        assert self.train_opts is not None and self.options is not None
+        plan = plan_micro_batches(
+            [r.num_tokens for r in rows], self.train_opts.micro_batch_size, self.options.micro_batch_tokens
+        )
+        return [[rows[i] for i in mb] for mb in plan]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self._refuse()
+        trainer = self._use("train_step")
+        assert self.train_opts is not None
+        check_batch(batch)
+        parts = mini_batches(len(batch.samples), self.train_opts.steps_per_rollout)
+        t0 = time.perf_counter()
+        extra: dict[str, list[list[float]]] = {}
+        if len(parts) > 1 and trainer.loss_kind() == "policy":
+            # Several optimizer steps on one batch: every step's ratio is against the policy before the first.
+            extra[OLD_LOGPROBS] = self.score(batch.samples, [OLD_LOGPROBS])[OLD_LOGPROBS]
+        rows = batch_rows(batch, extra)
+        results = []
+        for indices in parts:
+            part = [rows[i] for i in indices]
+            tokens = int(sum(sum(r.loss_mask) for r in part))
+            if tokens == 0:
+                log.warning("megatron: step %d: a mini-batch has no loss token; skipped", batch.step)
+                continue
+            results.append((trainer.train_step(self._plan(part), tokens, len(part)), tokens))
+        out = _combine(results)
+        out["train/tokens_per_s"] = out.get("train/num_tokens", 0.0) / max(time.perf_counter() - t0, 1e-9)
+        return out
 
     def score(self, samples: list[Sample], names: list[str]) -> dict[str, list[list[float]]]:
-        return self._refuse()
+        trainer = self._use("score")
+        if not names or not samples:
+            return {name: [] for name in names}
+        rows = [sample_row(s) for s in samples]
+        assert self.train_opts is not None and self.options is not None
+        plan = plan_micro_batches(
+            [r.num_tokens for r in rows], self.train_opts.micro_batch_size, self.options.micro_batch_tokens
+        )
+        results = trainer.score([[rows[i] for i in mb] for mb in plan], list(names))
+        out: dict[str, list[list[float]]] = {name: [[] for _ in samples] for name in names}
+        for mb, mb_rows in zip(plan, results, strict=True):
+            for index, row in zip(mb, mb_rows, strict=True):
+                for name in names:
+                    out[name][index] = row[name]
+        return out
 
     def update_weights(self, version: int) -> TransportStats:
-        return self._refuse()
+        return self._use("update_weights").update_weights(version)
 
     def save_checkpoint(self, directory: str) -> None:
-        self._refuse()
+        self._use("save_checkpoint").save_checkpoint(os.path.abspath(directory))
 
     def load_checkpoint(self, directory: str) -> None:
-        self._refuse()
+        from miles_megatron.trainer import CHECKPOINT_MARKER
+
+        directory = os.path.abspath(directory)
+        if not os.path.isfile(os.path.join(directory, CHECKPOINT_MARKER)):
+            raise FileNotFoundError(
+                f"{directory} is not a megatron checkpoint ({CHECKPOINT_MARKER} is missing)"
+            )
+        self._use("load_checkpoint").load_checkpoint(directory)
 
     def export_hf(self, directory: str) -> None:
-        self._refuse()
+        self._use("export_hf").export_hf(os.path.abspath(directory))
+
+    def offload(self) -> dict[str, float]:
+        """Colocated placement: parameters, gradient buffers and optimizer state to pinned host memory."""
+        out = self._use("offload").offload()
+        self._offloaded = True
+        return {f"offload/{k}": v for k, v in out.items()}
+
+    def onload(self) -> dict[str, float]:
+        out = self._use("onload").onload()
+        self._offloaded = False
+        return {f"onload/{k}": v for k, v in out.items()}
 
     def shutdown(self) -> None:
+        trainer, self.trainer = self.trainer, None
+        if trainer is not None:
+            trainer.close()
         self.layout = None
+
+    def _use(self, command: str) -> Any:
+        if self.trainer is None:
+            raise RuntimeError(f"the megatron backend cannot run {command}: it is not set up (or shut down)")
+        if self._offloaded and command not in _ALLOWED_WHILE_OFFLOADED:
+            raise RuntimeError(
+                f"the megatron backend cannot run {command}: its state is offloaded; call onload() first"
+            )
+        return self.trainer
+
+
+_SUMMED = ("train/num_loss_tokens", "train/num_tokens")
+
+
+def _combine(results: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """One set of metrics for several optimizer steps: counts and times add up, the rest is token-weighted."""
+    out: dict[str, float] = {"train/optimizer_steps": float(len(results))}
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics, tokens in results:
+        for key, value in metrics.items():
+            if key in _SUMMED or key.startswith("time/"):
+                out[key] = out.get(key, 0.0) + value
+            elif key in ("train/lr", "train/cuda_peak_gib"):
+                out.setdefault(key, value)
+            else:
+                sums[key] = sums.get(key, 0.0) + value * tokens
+                weights[key] = weights.get(key, 0.0) + tokens
+    out.update({k: sums[k] / weights[k] for k in sums if weights[k] > 0})
+    return out

@@ -29,3 +29,14 @@ class MegatronOptions(BaseModel):
         False, description="shard activations outside attention/MLP over the TP group (needs TP > 1)"
     )
     params_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="dtype of the model weights")
+    layer_spec: Literal["auto", "local", "te"] = Field(
+        "auto",
+        description="megatron layer spec: local (megatron-core's own modules), te (Transformer Engine), "
+        "auto (te when transformer-engine is installed)",
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="pack each micro-batch to at most this many tokens (THD, needs the te spec); "
+        "None: train.micro_batch_size padded samples",
+    )

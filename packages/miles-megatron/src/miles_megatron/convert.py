@@ -195,6 +195,11 @@ def _to_megatron(model: HFModel, rule: Rule, parts: list[torch.Tensor]) -> torch
     return torch.cat([gate, up], dim=0)
 
 
+def rule_to_hf(model: HFModel, rule: Rule, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The HF tensor(s) ``rule.hf`` of the full megatron tensor ``rule.megatron`` (weight export)."""
+    return _to_hf(model, rule, tensor)
+
+
 def _to_hf(model: HFModel, rule: Rule, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if rule.kind == "copy":
         return (tensor,)

@@ -38,12 +38,14 @@ def miles_configure(config: Any) -> None:
     # The recipe's own mistakes first (on any machine), then what this machine lacks. Sizes that
     # cannot divide the world are refused here, the model's shape when the backend is set up.
     plan_layout(options)
+    if options.num_ranks != 1:
+        raise ConfigError(
+            f"megatron.num_ranks is {options.num_ranks}: the megatron backend trains on one GPU so far "
+            "(multi-GPU runs are the multi-GPU issue's)"
+        )
     problem = runtime_problem()
     if problem is not None:
         raise ConfigError(problem)
-    from miles_megatron.backend import NOT_BUILT
-
-    raise ConfigError(NOT_BUILT)
 
 
 def runtime_problem() -> str | None:

@@ -93,6 +93,13 @@ class ParallelLayout:
         """One rank per pipeline stage that sends that stage's gathered weights (tp = cp = dp = 0)."""
         return [r for r in range(self.world) if (c := self.coords(r)).tp == 0 and c.cp == 0 and c.dp == 0]
 
+    def expert_export_sources(self) -> list[int]:
+        """The ranks that send experts: one per (pipeline stage, EP rank), with etp = edp = 0.
+
+        Each holds a different slice of the experts, so the expert pass has EP senders per stage
+        (with EP = 1 they are the ``export_sources``)."""
+        return [r for r in range(self.world) if (c := self.coords(r)).etp == 0 and c.edp == 0]
+
     def megatron_kwargs(self) -> dict[str, int]:
         """Arguments of ``megatron.core.parallel_state.initialize_model_parallel``."""
         return {

@@ -1,0 +1,493 @@
+"""One megatron-core trainer rank: the GPT model, megatron's DDP and optimizer, the step (needs CUDA).
+
+Built from an HF directory with no offline conversion: the config from ``config.json``
+(``model_config``), the weights from its safetensors converted by the family's table
+(``convert``) and cut to this rank (``export.shard_for_rank``).
+
+The optimizer is megatron-core's own (``get_megatron_optimizer`` over the model wrapped in
+megatron's ``DistributedDataParallel``): with bf16 parameters it keeps FP32 master weights and
+FP32 gradient buffers (torch's AdamW on bf16 parameters would round every small update away),
+it is the optimizer the data-parallel and distributed-optimizer layouts use, and its state has
+a ``sharded_state_dict`` for megatron's dist-checkpointing.
+
+Forward and backward go through megatron's schedule (``get_forward_backward_func``), which
+calls ``loss_func`` per micro-batch with the logits. The run's ``Loss`` already divides by the
+global batch's loss tokens, so ``loss_func`` hands the schedule back its loss multiplied by the
+number of micro-batches, which the schedule divides by again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.config.schema import TrainSection
+from miles.errors import ComponentError, ModelError
+from miles.interfaces import BackendSpec, CorrectionOutput, LossInputs, LossOutput, TransportStats
+from miles_megatron.batch import OLD_LOGPROBS, MicroBatch, Row, collate, token_logprobs
+from miles_megatron.config import MegatronOptions
+from miles_megatron.convert import Spec, hf_to_megatron
+from miles_megatron.export import iter_export, shard_for_rank
+from miles_megatron.hf_config import HFModel
+from miles_megatron.layout import ParallelLayout
+from miles_megatron.offload import StorageOffloader
+from miles_megatron.parallel import megatron_parallel
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_MARKER = "miles_megatron.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load_hf_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in HF directory ``path``."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelError(f"megatron: {path} has no *.safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+class MegatronTrainer:
+    """One rank (``rank`` of ``layout.world``) of a megatron-core run; every method is a collective."""
+
+    def __init__(
+        self,
+        spec: BackendSpec,
+        layout: ParallelLayout,
+        options: MegatronOptions,
+        train: TrainSection,
+        layer_spec: Spec,
+        rank: int = 0,
+        init_method: str | None = None,
+    ) -> None:
+        from megatron.core.distributed import (  # type: ignore[import-untyped]
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # type: ignore[import-untyped]
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # type: ignore[import-untyped]
+
+        from miles.plugins import get_plugin_manager
+        from miles_megatron.model_config import DTYPES, gpt_model, transformer_config
+
+        self.spec, self.layout, self.options, self.train_opts = spec, layout, options, train
+        self.layer_spec = layer_spec
+        self.rank = rank
+        self.pm = get_plugin_manager()
+        self.device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(self.device)
+        self._stack = contextlib.ExitStack()
+        init = init_method or f"tcp://127.0.0.1:{free_port()}"
+        self._stack.enter_context(megatron_parallel(layout, rank, "nccl", init))
+        torch.manual_seed(spec.seed)
+        model_parallel_cuda_manual_seed(spec.seed)
+
+        self.hf = HFModel.from_dir(spec.model_path)
+        self.dtype = DTYPES[options.params_dtype]
+        self.config = transformer_config(self.hf, layout, options.params_dtype)
+        gpt = gpt_model(self.hf, self.config, layer_spec).to(self.device)
+        full = hf_to_megatron(self.hf, load_hf_tensors(spec.model_path), layer_spec)
+        state = {k: v.to(self.dtype) for k, v in shard_for_rank(self.hf, layout, rank, full).items()}
+        result = gpt.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise ModelError(
+                f"megatron: the converted weights do not fit the model: missing {missing[:5]}, "
+                f"unexpected {list(result.unexpected_keys)[:5]}"
+            )
+        self.gpt = gpt
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=gpt)
+        bf16 = self.dtype == torch.bfloat16
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=train.lr,
+                weight_decay=train.weight_decay,
+                adam_beta1=train.betas[0],
+                adam_beta2=train.betas[1],
+                adam_eps=train.eps,
+                clip_grad=train.grad_clip or 0.0,
+                bf16=bf16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=False,
+            ),
+            [self.model],
+        )
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss if bf16 else None
+        self.optimizer_steps = 0
+        self.loss_fn, self.correction_fn = self._components()
+        self.transport = self._connect_transport()
+        self._offloader: StorageOffloader | None = None
+
+    # ---------------------------------------------------------------- build
+
+    def _components(self) -> tuple[Any, Any]:
+        from miles.plugins import make_component
+
+        loss = make_component("loss", self.spec.loss, self.spec.loss_options)
+        kind = getattr(loss, "kind", "policy")
+        if kind not in ("policy", "supervised"):
+            raise ComponentError(
+                f"loss {self.spec.loss!r} has kind {kind!r}; megatron trains policy or supervised losses"
+            )
+        correction = None
+        if self.spec.correction:
+            correction = make_component("correction", self.spec.correction, self.spec.correction_options)
+        return loss, correction
+
+    def _connect_transport(self) -> Any:
+        if not self.spec.engine_urls:
+            return None
+        from miles.plugins import make_component
+
+        transport = make_component("transport", self.spec.transport, dict(self.spec.transport_options))
+        transport.connect(
+            list(self.spec.engine_urls), rank=self.rank, world_size=self.layout.world, device=str(self.device)
+        )
+        if getattr(transport, "wants_base_weights", False):
+            with torch.no_grad():
+                transport.seed(self.weight_stream(), 0)  # type: ignore[attr-defined]
+        return transport
+
+    def loss_kind(self) -> str:
+        return str(getattr(self.loss_fn, "kind", "policy"))
+
+    # ---------------------------------------------------------------- passes
+
+    def _run_schedule(self, micro_batches: list[MicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func  # type: ignore[import-untyped]
+
+        n = len(micro_batches)
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iterator)
+            logits = model(
+                input_ids=mb.tokens,
+                position_ids=mb.position_ids,
+                attention_mask=None,
+                **self._packed_kwargs(mb),
+            )
+            return logits, functools.partial(loss_func, mb, n)
+
+        return list(
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[self.model],
+                num_microbatches=n,
+                seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
+                micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        )
+
+    def _packed_kwargs(self, mb: MicroBatch) -> dict[str, Any]:
+        if mb.cu_seqlens is None:
+            return {}
+        from megatron.core.packed_seq_params import PackedSeqParams  # type: ignore[import-untyped]
+
+        return {"packed_seq_params": packed_seq_params(PackedSeqParams, mb)}
+
+    def _micro_batches(self, groups: list[list[Row]]) -> list[MicroBatch]:
+        packed = self.options.micro_batch_tokens is not None
+        return [collate(rows, packed=packed).to(self.device) for rows in groups]
+
+    def score(self, groups: list[list[Row]], names: list[str]) -> list[list[dict[str, list[float]]]]:
+        """Forward-only: per micro-batch, per row, the named signals (``old_logprobs`` only)."""
+        unknown = [n for n in names if n != OLD_LOGPROBS]
+        if unknown:
+            raise ComponentError(f"megatron: cannot score {unknown} (only the policy's own log-probs)")
+        mbs = self._micro_batches(groups)
+        self.model.eval()
+
+        def loss_func(mb: MicroBatch, n: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            lp, _ = token_logprobs(logits, mb, self.spec.temperature)
+            rows = [lp[i, :k].tolist() for i, k in enumerate(mb.response_lengths)]
+            return lp.new_zeros(()), {"rows": rows}
+
+        with torch.no_grad():
+            outs = self._run_schedule(mbs, loss_func, forward_only=True)
+        return [[{OLD_LOGPROBS: row} for row in out["rows"]] for out in outs]
+
+    def train_step(self, groups: list[list[Row]], num_loss_tokens: int, num_samples: int) -> dict[str, float]:
+        from miles._plugins.backend_hooks import apply_loss_hooks
+
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        mbs = self._micro_batches(groups)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self._lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        kind = self.loss_kind()
+        requires = frozenset(getattr(self.loss_fn, "requires", ()))
+
+        def loss_func(mb: MicroBatch, n: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            logprobs, entropy = token_logprobs(logits, mb, self.spec.temperature)
+            metrics: dict[str, float] = {}
+            inputs = LossInputs(
+                loss_mask=mb.loss_mask,
+                logprobs=logprobs,
+                num_loss_tokens=num_loss_tokens,
+                num_samples=num_samples,
+                entropy=entropy if "entropy" in requires else None,
+            )
+            if kind == "policy":
+                inputs.old_logprobs = mb.scores.get(OLD_LOGPROBS, logprobs.detach())
+                inputs.rollout_logprobs = mb.rollout_logprobs
+                inputs.advantages = mb.advantages
+                if "ref_logprobs" in requires:
+                    if "ref_logprobs" not in mb.scores:
+                        raise ComponentError(
+                            f"loss {self.spec.loss!r} needs ref_logprobs; the batch has none"
+                        )
+                    inputs.ref_logprobs = mb.scores["ref_logprobs"]
+                if self.correction_fn is not None:
+                    corr = self.correction_fn(inputs.old_logprobs, mb.rollout_logprobs, mb.loss_mask)
+                    if not isinstance(corr, CorrectionOutput):
+                        raise ComponentError(
+                            f"correction {self.spec.correction!r} did not return a CorrectionOutput"
+                        )
+                    self.pm.hook.miles_correction_postprocess(output=corr, loss_mask=mb.loss_mask)
+                    inputs.correction_weights = corr.weights.detach()
+                    metrics.update({_prefixed("correction/", k): float(v) for k, v in corr.metrics.items()})
+            out = self.loss_fn(inputs)
+            if not isinstance(out, LossOutput):
+                raise ComponentError(
+                    f"loss {self.spec.loss!r} returned {type(out).__name__}, expected LossOutput"
+                )
+            out = apply_loss_hooks(self.pm, out, inputs, kind)
+            if not (isinstance(out.loss, torch.Tensor) and out.loss.dim() == 0 and out.loss.requires_grad):
+                raise ComponentError(
+                    f"loss {self.spec.loss!r} must return a scalar tensor that depends on logprobs"
+                )
+            metrics.update({_prefixed("loss/", k): float(v) for k, v in out.metrics.items()})
+            reduced = {
+                "loss": float(out.loss.detach()),
+                "entropy_sum": float((entropy.detach() * mb.loss_mask).sum()),
+                "loss_tokens": float(mb.num_loss_tokens),
+                "metrics": metrics,
+            }
+            return out.loss * n, reduced
+
+        outs = self._run_schedule(mbs, loss_func, forward_only=False)
+        torch.cuda.synchronize(self.device)
+        t_fb = time.perf_counter()
+        ok, grad_norm, _ = self.optimizer.step()
+        torch.cuda.synchronize(self.device)
+        t_opt = time.perf_counter()
+        if ok:
+            self.optimizer_steps += 1
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for o in outs:
+            for k, v in o["metrics"].items():
+                sums[k] = sums.get(k, 0.0) + v * o["loss_tokens"]
+                weights[k] = weights.get(k, 0.0) + o["loss_tokens"]
+        tokens = sum(mb.num_tokens for mb in mbs)
+        elapsed = t_opt - t0
+        metrics = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+        metrics.update(
+            {
+                "train/loss": sum(o["loss"] for o in outs),
+                "train/entropy": sum(o["entropy_sum"] for o in outs) / max(num_loss_tokens, 1),
+                "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "train/lr": lr,
+                "train/update_skipped": 0.0 if ok else 1.0,
+                "train/num_loss_tokens": float(num_loss_tokens),
+                "train/num_tokens": float(tokens),
+                "train/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                "train/cuda_peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                "time/train_step/forward_backward_s": t_fb - t0,
+                "time/train_step/optimizer_s": t_opt - t_fb,
+            }
+        )
+        return metrics
+
+    def _lr(self) -> float:
+        """Constant learning rate after a linear warmup (optimizer steps, from 0)."""
+        warmup = self.train_opts.warmup_steps
+        if warmup and self.optimizer_steps < warmup:
+            return self.train_opts.lr * (self.optimizer_steps + 1) / warmup
+        return self.train_opts.lr
+
+    # ---------------------------------------------------------------- weights
+
+    def _gather(self, name: str, tensor: torch.Tensor, group: str) -> list[torch.Tensor]:
+        from megatron.core import parallel_state  # type: ignore[import-untyped]
+
+        pg = (
+            parallel_state.get_expert_tensor_parallel_group()
+            if group == "etp"
+            else parallel_state.get_tensor_model_parallel_group()
+        )
+        shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(pg))]
+        dist.all_gather(shards, tensor.contiguous(), group=pg)
+        return shards
+
+    def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's stage in HF names and layouts (TP shards gathered through the layout's groups)."""
+        state = self.gpt.state_dict(keep_vars=False)
+        return iter_export(self.hf, self.layout, self.rank, state, self._gather, self.layer_spec)
+
+    def update_weights(self, version: int) -> TransportStats:
+        if self.transport is None:
+            return TransportStats(bytes_sent=0, seconds=0.0, buckets=0, version=version)
+        self.model.eval()
+        with torch.no_grad():
+            return self.transport.send(self.weight_stream(), version)
+
+    def export_hf(self, directory: str) -> None:
+        """An HF directory: the weights in the model's dtype, its config and tokenizer files copied."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        with torch.no_grad():
+            tensors = {name: t.detach().to("cpu").clone() for name, t in self.weight_stream()}
+        if self.rank != 0:
+            return
+        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(self.spec.model_path, "config.json")) as f:
+            config = json.load(f)
+        config["torch_dtype"] = config["dtype"] = self.options.params_dtype
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        for name in TOKENIZER_FILES:
+            src = os.path.join(self.spec.model_path, name)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(directory, name))
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _sharded_state(self, loading: bool) -> dict[str, Any]:
+        model_sd = self.gpt.sharded_state_dict()
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading),
+        }
+
+    def save_checkpoint(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        target = os.path.join(directory, "dist")
+        os.makedirs(target, exist_ok=True)
+        state = self._sharded_state(loading=False)
+        state["miles"] = {"optimizer_steps": self.optimizer_steps}
+        dist_checkpointing.save(state, target)
+        if self.rank == 0:
+            with open(os.path.join(directory, CHECKPOINT_MARKER), "w") as f:
+                json.dump(
+                    {"layout": self.layout.megatron_kwargs(), "optimizer_steps": self.optimizer_steps}, f
+                )
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True), os.path.join(directory, "dist"))
+        self.gpt.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        with open(os.path.join(directory, CHECKPOINT_MARKER)) as f:
+            self.optimizer_steps = int(json.load(f)["optimizer_steps"])
+
+    # ---------------------------------------------------------------- offload
+
+    def _device_tensors(self) -> Iterator[torch.Tensor]:
+        for p in self.gpt.parameters():
+            yield p
+            grad = getattr(p, "main_grad", None)
+            if grad is not None:
+                yield grad
+        for buffer in list(getattr(self.model, "buffers", [])) + list(
+            getattr(self.model, "expert_parallel_buffers", [])
+        ):
+            for attr in ("param_data", "grad_data"):
+                t = getattr(buffer, attr, None)
+                if isinstance(t, torch.Tensor):
+                    yield t
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                yield from group["params"]
+            for st in inner.state.values():
+                yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+
+    def offload(self) -> dict[str, float]:
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._offloader = StorageOffloader(self._device_tensors(), self.device)
+        out = self._offloader.offload()
+        out.update(
+            cuda_allocated_before=float(before),
+            cuda_allocated_after=float(torch.cuda.memory_allocated(self.device)),
+        )
+        return out
+
+    def onload(self) -> dict[str, float]:
+        if self._offloader is None:
+            return {"bytes": 0.0, "seconds": 0.0}
+        out = self._offloader.onload()
+        self._offloader = None
+        return out
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self._stack.close()
+
+
+def packed_seq_params(cls: Any, mb: MicroBatch) -> Any:
+    """megatron's ``PackedSeqParams`` (THD) of a packed micro-batch (``cls``: the class, so CPU tests can pass it)."""
+    assert mb.cu_seqlens is not None and mb.max_seqlen is not None
+    return cls(
+        qkv_format="thd",
+        cu_seqlens_q=mb.cu_seqlens,
+        cu_seqlens_kv=mb.cu_seqlens,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+    )
+
+
+def _prefixed(prefix: str, key: str) -> str:
+    return key if key.startswith(prefix) else prefix + key

@@ -1,0 +1,175 @@
+"""The megatron backend on one CUDA GPU (scripts/gpu-tests.sh -k megatron; skipped without CUDA).
+
+A training step lowers the loss; the weight stream is the trainer's parameters converted back
+to HF names and an HF model built from the export scores like the trainer; offload / onload and
+a checkpoint round trip leave training unchanged; ``miles run`` with ``backend: megatron``, the
+embedded engine and the colocated transport finishes (weight-equality check on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from megatron_helpers import make_batch, make_checkpoint
+
+from miles.interfaces import BackendSpec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), tie_word_embeddings=False)
+
+
+@pytest.fixture
+def backends():
+    from miles_megatron.backend import MegatronBackend
+
+    started = []
+
+    def start(spec):
+        backend = MegatronBackend()
+        started.append(backend)
+        backend.setup(spec)
+        return backend
+
+    yield start
+    for b in started:
+        b.shutdown()
+
+
+def _spec(path, dtype="float32", loss="sft", lr=1e-2, **train) -> BackendSpec:
+    return BackendSpec(
+        model_path=str(path),
+        loss=loss,
+        correction=None,
+        transport="colocated",
+        engine_urls=[],
+        temperature=1.0,
+        options={
+            "train": {"lr": lr, "micro_batch_size": 2, "grad_clip": 1.0, **train},
+            "megatron": {"params_dtype": dtype},
+        },
+    )
+
+
+def test_a_step_lowers_the_loss_and_the_export_is_the_trained_model(tiny, backends, tmp_path):
+    import transformers
+
+    from miles_megatron.convert import megatron_to_hf
+
+    backend = backends(_spec(tiny))
+    batch = make_batch(6, seed=1)
+    losses = [backend.train_step(batch)["train/loss"] for _ in range(5)]
+    print("megatron fp32 sft losses", losses)
+    assert losses[-1] < losses[0], losses
+    trainer = backend.trainer
+    stream = dict(trainer.weight_stream())
+    want = megatron_to_hf(trainer.hf, trainer.gpt.state_dict())
+    assert set(stream) == set(want)
+    assert all(torch.equal(stream[k], want[k]) for k in want)
+    backend.export_hf(str(tmp_path / "hf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).cuda().eval()
+    ours = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
+    for sample, row in zip(batch.samples, ours, strict=True):
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids], device="cuda")
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=ids).logits.float(), -1)[0]
+        p = len(sample.prompt_ids)
+        ref = [logp[p - 1 + j, t].item() for j, t in enumerate(sample.response_ids)]
+        assert max(abs(a - b) for a, b in zip(row, ref, strict=True)) < 1e-4
+
+
+def test_policy_loss_with_several_steps_per_batch(tiny, backends):
+    backend = backends(_spec(tiny, loss="ppo_clip", lr=1e-3, steps_per_rollout=2))
+    metrics = backend.train_step(make_batch(6, seed=2, positive=True))
+    assert metrics["train/optimizer_steps"] == 2 and metrics["train/num_loss_tokens"] > 0
+
+
+def test_bf16_trains_with_fp32_master_weights(tiny, backends):
+    backend = backends(_spec(tiny, dtype="bfloat16", lr=1e-2))
+    batch = make_batch(6, seed=3)
+    losses = [backend.train_step(batch)["train/loss"] for _ in range(5)]
+    print("megatron bf16 sft losses", losses)
+    assert losses[-1] < losses[0], losses
+
+
+def test_offload_round_trip_changes_nothing(tiny, backends):
+    batches = [make_batch(6, seed=10 + i) for i in range(3)]
+    plain = backends(_spec(tiny))
+    want = [plain.train_step(b)["train/loss"] for b in batches]
+    plain.shutdown()
+    backend = backends(_spec(tiny))
+    got = [backend.train_step(batches[0])["train/loss"]]
+    off = backend.offload()
+    print("megatron offload", off)
+    assert off["offload/bytes"] > 0
+    assert off["offload/cuda_allocated_after"] < off["offload/cuda_allocated_before"]
+    with pytest.raises(RuntimeError, match="offloaded"):
+        backend.train_step(batches[1])
+    on = backend.onload()
+    assert on["onload/bytes"] == off["offload/bytes"]
+    got += [backend.train_step(b)["train/loss"] for b in batches[1:]]
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_checkpoint_round_trip_resumes_exactly(tiny, backends, tmp_path):
+    batches = [make_batch(6, seed=20 + i) for i in range(2)]
+    first = backends(_spec(tiny))
+    first.train_step(batches[0])
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    want = first.train_step(batches[1])["train/loss"]
+    first.shutdown()
+    resumed = backends(_spec(tiny))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    got = resumed.train_step(batches[1])["train/loss"]
+    print("megatron resume", want, got)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_miles_run_with_the_megatron_backend_on_cuda(tmp_path):
+    sets = [
+        "backend=megatron",
+        "megatron.params_dtype=float32",
+        "transport=colocated",
+        "engine.device=cuda",
+        "warm_start=null",
+        "eval=null",
+        "run.num_steps=3",
+        "run.save_every=3",
+        f"run.output_dir={tmp_path}/runs",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.filters=[]",
+        "rollout.reward=numeric_closeness",
+        "train.lr=0.01",
+        "train.micro_batch_size=16",
+        "tracking.console=false",
+        "weight_sync.check_equal=true",
+    ]
+    cmd = [sys.executable, "-m", "miles", "run"] + [a for s in sets for a in ("--set", s)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    text = out.stdout[-4000:] + out.stderr[-8000:]
+    assert out.returncode == 0, text
+    runs = [
+        os.path.join(dp, "metrics.jsonl")
+        for dp, _, files in os.walk(tmp_path / "runs")
+        if "metrics.jsonl" in files
+    ]
+    assert len(runs) == 1, text
+    with open(runs[0]) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    print(
+        "megatron run", [{k: r.get(k) for k in ("step", "train/loss", "engine/weight_version")} for r in rows]
+    )
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["engine/weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all("train/loss" in r for r in rows)
+    final = os.path.join(os.path.dirname(runs[0]), "final")
+    assert os.path.isfile(os.path.join(final, "model.safetensors"))
