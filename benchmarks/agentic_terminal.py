@@ -111,8 +111,8 @@ def trained_overrides(out_dir: Path) -> list[str]:
     sys.path.insert(0, str(REPO / "tests"))
     from envs.shell_model import build_shell_model
 
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     family = get_family("qwen3")
     model = build_shell_model(

@@ -67,10 +67,10 @@ from _bench import RESULTS_DIR, machine_info, write_result  # noqa: E402
 from miles.engines.client import SGLangClient  # noqa: E402
 from miles.engines.launchers import EmbeddedLauncher  # noqa: E402
 from miles.engines.router import POLICIES, Router  # noqa: E402
-from miles.families import get_family  # noqa: E402
-from miles.families.artefacts import family_tokenizer  # noqa: E402
 from miles.interfaces import EngineSpec  # noqa: E402
 from miles.types import SamplingParams  # noqa: E402
+from miles_envs.families import get_family  # noqa: E402
+from miles_envs.families.artefacts import family_tokenizer  # noqa: E402
 
 GOAL_HIT_RATE = 0.95
 TOOLS = [

@@ -37,11 +37,11 @@ import statistics
 import time
 from typing import Any
 
-from miles.families import get_family
-from miles.families.artefacts import family_tokenizer
-from miles.session_server.app import ServerState, create_app
-from miles.sessions import SessionStore
 from miles.types import GenerateOutput, SamplingParams
+from miles_envs.families import get_family
+from miles_envs.families.artefacts import family_tokenizer
+from miles_envs.session_server.app import ServerState, create_app
+from miles_envs.sessions import SessionStore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = [
@@ -251,7 +251,7 @@ def main() -> None:
     if args.stdlib_json:
         from fastapi.routing import APIRoute
 
-        from miles.session_server import app as server_app
+        from miles_envs.session_server import app as server_app
 
         server_app._OrjsonRoute.get_route_handler = APIRoute.get_route_handler  # FastAPI's own decoding
     global clock

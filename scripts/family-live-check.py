@@ -91,10 +91,10 @@ def tool_result(call: dict[str, Any]) -> str:
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from miles.engines.client import SGLangClient
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer, load_tokenizer
-    from miles.families.base import encode
     from miles.types import SamplingParams
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer, load_tokenizer
+    from miles_envs.families.base import encode
 
     family = get_family(args.family)
     if args.tokenizer:

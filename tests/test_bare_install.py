@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -32,27 +31,23 @@ data:
 USER_MODULE = "class Backend: ...\nclass Transport: ...\n"
 
 
-def _uv(*args: str, cwd: Path = ROOT) -> None:
-    result = subprocess.run(["uv", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"uv {' '.join(args)} failed:\n{result.stderr}"
-
-
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``miles`` console script of a venv holding miles-core and nothing else."""
     if shutil.which("uv") is None:
         pytest.skip("needs uv to build the bare environment")
     root = tmp_path_factory.mktemp("bare")
-    requirements = root / "requirements.txt"
-    _uv(
-        "export", "--frozen", "--package", "miles-core", "--no-dev", "--no-hashes",
-        "--no-emit-workspace", "--no-annotate", "--quiet", "-o", str(requirements),
+    # uv sync of miles-core alone (no extras, no dev group) from uv.lock, offline: the wheels come from
+    # the cache the workspace's own sync filled (``uv pip install --offline`` would also need the
+    # registry's index pages cached, which a locked sync never fetches). Not editable: a wheel built
+    # from this checkout, as pip would install it from PyPI.
+    env = dict(os.environ, UV_PROJECT_ENVIRONMENT=str(root / "venv"))
+    result = subprocess.run(
+        ["uv", "sync", "--frozen", "--offline", "--package", "miles-core", "--no-dev", "--no-editable", "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
-    _uv("venv", "--quiet", "--python", sys.executable, str(root / "venv"))
+    assert result.returncode == 0, f"uv sync of the bare environment failed:\n{result.stderr}"
     python = str(root / "venv" / "bin" / "python")
-    _uv("pip", "install", "--offline", "--quiet", "--python", python, "-r", str(requirements))
-    # Not editable: a wheel built from this checkout, as pip would install it from PyPI.
-    _uv("pip", "install", "--offline", "--quiet", "--no-deps", "--python", python, str(CORE))
     miles = root / "venv" / "bin" / "miles"
     probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
     assert probe.returncode != 0, "the bare environment must not have torch"
@@ -94,6 +89,20 @@ def test_user_recipe_names_the_extras_of_backend_and_transport(bare: Path, tmp_p
         "  - transport: transport 'broadcast' is not installed: pip install 'miles-core[transports]' "
         "(provides it: miles-transports)",
     ]
+
+
+def test_agentic_recipe_names_the_extra_of_miles_envs(bare: Path, tmp_path: Path) -> None:
+    """The agentic stack is a plugin: without miles-envs, its section and commands are not there."""
+    (tmp_path / "agent.yaml").write_text(USER_RECIPE + "agentic:\n  family: qwen3\n")
+    line = _one_error(_run(bare, "run", "agent.yaml", cwd=tmp_path))
+    assert re.fullmatch(
+        r"Error: recipe agent\.yaml: key 'agentic' \(agent\.yaml:\d+\) is the config section of miles-envs, "
+        r"which is not installed: pip install 'miles-core\[envs\]'",
+        line,
+    ), line
+    listed = _run(bare, "--help", cwd=tmp_path).stdout
+    assert "serve" not in listed and "check-family" not in listed
+    assert _run(bare, "serve", cwd=tmp_path).returncode == 2  # click: no such command
 
 
 def test_models_build_without_transformers_is_one_line(bare: Path, tmp_path: Path) -> None:

@@ -107,6 +107,20 @@ def test_every_command_has_working_help() -> None:
         assert _invoke("config", sub, "--help").exit_code == 0
 
 
+def test_plugin_commands_come_from_their_entry_points() -> None:
+    """``miles serve`` and ``miles check-family`` are miles-envs's (``miles.commands``), not the core's."""
+    from miles.cli import plugin_commands
+
+    found = plugin_commands()
+    assert found["serve"] == "miles_envs.cli.serve:serve"
+    assert found["check-family"] == "miles_envs.cli.families:check_family"
+    assert not set(found) & set(LAZY_COMMANDS)
+    for name in ("serve", "check-family"):
+        result = _invoke(name, "--help")
+        assert result.exit_code == 0, (name, result.output)
+        assert result.output.startswith(f"Usage: cli {name}")
+
+
 def test_listed_help_matches_each_command() -> None:
     ctx = click.Context(cli)
     for name, (_, short_help) in LAZY_COMMANDS.items():

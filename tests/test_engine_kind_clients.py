@@ -48,8 +48,10 @@ def _clients_of(url: str) -> list[Any]:
 
 
 def _echo_config(tmp_path: Path, model_dir: Path, **sections: Any) -> MilesConfig:
+    from miles.config.loader import plugin_config_model  # plugin sections (agentic:) included
+
     data = write_eval_data(tmp_path / "data.jsonl")
-    return MilesConfig.model_validate(
+    return plugin_config_model().model_validate(
         {
             "run": {"output_dir": str(tmp_path)},
             "model": {"path": str(model_dir)},
@@ -119,7 +121,7 @@ def test_served_teacher_is_an_engine_of_the_kind(tmp_path: Path, model_dir: Path
 
 
 def test_data_parallel_sizes_are_asked_through_the_kinds_client(tmp_path: Path, model_dir: Path) -> None:
-    from miles.driver.agentic import fleet_dp_sizes
+    from miles.driver.rollout_services import fleet_dp_sizes
 
     url = "echo://dp"
     assert fleet_dp_sizes([url], _echo_config(tmp_path, model_dir)) == [1]
@@ -128,8 +130,8 @@ def test_data_parallel_sizes_are_asked_through_the_kinds_client(tmp_path: Path, 
 
 
 def test_session_server_turns_run_on_the_kinds_client(tmp_path: Path, model_dir: Path, tokenizer) -> None:
-    from miles.driver.agentic import resolve_agentic, session_server
     from miles.types import SamplingParams
+    from miles_envs.service import resolve_agentic, session_server
 
     url = "echo://sessions"
     config = _echo_config(

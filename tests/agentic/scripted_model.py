@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles.builtins.tools import Calculator
+from miles_envs.tools.calculator import Calculator
 
 #: The one tool of the episode: the built-in calculator tool set's spec (`agentic.tools: calculator`).
 CALCULATOR_SPEC: dict[str, Any] = Calculator().specs()[0]
@@ -133,7 +133,7 @@ def reply_ids(
     """The ids a model trained on ``family``'s template generates for ``reply`` after ``history``.
 
     That is the rendered reply from the end of the generation prompt up to and including the
-    family's turn end (the stop token), as ``miles.families.check`` defines a reply; the rest of
+    family's turn end (the stop token), as ``miles_envs.families.check`` defines a reply; the rest of
     the rendered turn (Qwen3's newline after ``<|im_end|>``) belongs to the next suffix.
     """
     prompt = family.render_text(tokenizer, history, tools, add_generation_prompt=True)

@@ -13,17 +13,18 @@ import pytest
 from engine.helpers import running_engine
 
 from agentic.scripted_model import PAIRS, script_episode
-from miles.builtins.agents import tool_agent
-from miles.builtins.rewards.agent import agent_reward
 from miles.builtins.rewards.exact_match import exact_match
 from miles.builtins.rollout.default import GroupRollout
-from miles.builtins.tools import Calculator
 from miles.engines.client import SGLangClient
-from miles.interfaces import AgenticContext, AgentResult, AgentTask, RolloutContext
-from miles.session_server.app import ServerState
-from miles.session_server.service import session_service
-from miles.sessions import SessionStore
+from miles.interfaces import AgentResult, AgentTask, RolloutContext
 from miles.types import Group, Prompt, SamplingParams, Status
+from miles_envs.agents import tool_agent
+from miles_envs.context import AgenticContext
+from miles_envs.rewards import agent_reward
+from miles_envs.session_server.app import ServerState
+from miles_envs.session_server.service import session_service
+from miles_envs.sessions import SessionStore
+from miles_envs.tools.calculator import Calculator
 
 pytestmark = pytest.mark.slow
 
@@ -63,14 +64,16 @@ def _rollout(tool_model, service, prompts: list[Prompt], agent, *, reward=exact_
             sampling=SAMPLING,
             n_samples_per_prompt=n,
             reward=reward,
-            agentic=AgenticContext(
-                family=family,
-                session_mode=service.state.store.mode,
-                toolset=Calculator(),
-                agent=agent,
-                server=service,
-                **agentic,
-            ),
+            services={
+                "agentic": AgenticContext(
+                    family=family,
+                    session_mode=service.state.store.mode,
+                    toolset=Calculator(),
+                    agent=agent,
+                    server=service,
+                    **agentic,
+                )
+            },
         )
         return await GroupRollout(generate_fn="agentic")(ctx, prompts)
 
@@ -105,7 +108,7 @@ def test_sessions_stick_to_their_engine_and_the_second_turn_reuses_its_prefix(to
                 calls = [c.model_dump() for c in reply.choices[0].message.tool_calls or []]
                 if not calls:
                     break
-                from miles.builtins.tools import run_tool_calls
+                from miles_envs.tools.calculator import run_tool_calls
 
                 messages += await run_tool_calls(task.toolset, calls)
         cached.append(seen)

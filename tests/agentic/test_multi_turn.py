@@ -11,9 +11,10 @@ import pytest
 from agentic.scripted_model import PAIRS, script_episode
 from miles.builtins.rewards.exact_match import exact_match
 from miles.builtins.rollout.default import GroupRollout
-from miles.builtins.tools import Calculator
-from miles.interfaces import AgenticContext, RolloutContext
+from miles.interfaces import RolloutContext
 from miles.types import Group, Prompt, SamplingParams, Status
+from miles_envs.context import AgenticContext
+from miles_envs.tools.calculator import Calculator
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def _rollout(url: str, family: Any, tokenizer: Any, prompts: list[Prompt], **age
             sampling=SamplingParams(max_new_tokens=40, temperature=0.0),
             n_samples_per_prompt=1,
             reward=exact_match,
-            agentic=AgenticContext(family=family, **{"toolset": Calculator(), **agentic}),
+            services={"agentic": AgenticContext(family=family, **{"toolset": Calculator(), **agentic})},
         )
         try:
             return await GroupRollout(generate_fn="multi_turn")(ctx, prompts)

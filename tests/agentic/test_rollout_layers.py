@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from miles.builtins.rollout.agentic import as_agent_result
 from miles.builtins.rollout.default import GroupRollout
 from miles.errors import ComponentError
 from miles.interfaces import AgentResult, RolloutContext
 from miles.types import Prompt, Sample, SamplingParams, Status
+from miles_envs.rollout.agentic import as_agent_result
 
 
 class CharTokenizer:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from miles.builtins.tools import Calculator, evaluate_arithmetic, run_tool_calls
 from miles.config import load_recipe
 from miles.errors import ConfigError, ToolError
 from miles.plugins import build_plugin_manager, make_component
+from miles_envs.tools.calculator import Calculator, evaluate_arithmetic, run_tool_calls
 
 TINY = str(Path(__file__).parents[1] / "data" / "recipes" / "tiny.yaml")
 
@@ -86,8 +86,8 @@ def test_a_broken_tool_set_fails_loudly() -> None:
 
 def test_tool_sets_and_agents_are_selected_by_name() -> None:
     assert isinstance(make_component("toolset", "calculator"), Calculator)
-    from miles.builtins.agents import tool_agent
     from miles.plugins import load_component
+    from miles_envs.agents import tool_agent
 
     assert load_component("agent", "tool_agent") is tool_agent
 
@@ -170,8 +170,8 @@ def test_sessions_survive_retract_and_in_place_updates(pm) -> None:
 
 
 def test_unknown_tool_set_agent_or_matcher_fails_before_anything_starts(pm) -> None:
-    from miles.driver.agentic import resolve_agentic
     from miles.errors import ComponentError
+    from miles_envs.service import resolve_agentic
 
     base = ["rollout.generate_fn=agentic"]
     for section, message in [

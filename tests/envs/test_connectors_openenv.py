@@ -55,8 +55,8 @@ class GreetEnv(Environment[Say, Heard, State]):
 
 @pytest.fixture(scope="module")
 def qwen3() -> tuple[Any, Any]:
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     family = get_family("qwen3")
     return family, family_tokenizer(family.name, family.artefacts)
@@ -65,10 +65,10 @@ def qwen3() -> tuple[Any, Any]:
 @pytest.fixture(scope="module")
 def service(qwen3, tmp_path_factory) -> Iterator[Any]:
     from miles.engines.client import SGLangClient
-    from miles.session_server.app import ServerState
-    from miles.session_server.service import session_service
-    from miles.sessions import SessionStore
     from miles.types import SamplingParams
+    from miles_envs.session_server.app import ServerState
+    from miles_envs.session_server.service import session_service
+    from miles_envs.sessions import SessionStore
 
     family, tokenizer = qwen3
     model_dir = build_polite_qwen3(tmp_path_factory.mktemp("polite-qwen3"), tokenizer)
@@ -85,11 +85,12 @@ def service(qwen3, tmp_path_factory) -> Iterator[Any]:
 
 
 def _rollout(service: Any, options: dict[str, Any], n: int = 2) -> Any:
-    from miles.builtins.rewards.agent import agent_reward
     from miles.builtins.rollout.default import GroupRollout
-    from miles.interfaces import AgenticContext, RolloutContext
+    from miles.interfaces import RolloutContext
     from miles.plugins import load_component
     from miles.types import Prompt, SamplingParams
+    from miles_envs.context import AgenticContext
+    from miles_envs.rewards import agent_reward
 
     async def go() -> Any:
         ctx = RolloutContext(
@@ -98,13 +99,15 @@ def _rollout(service: Any, options: dict[str, Any], n: int = 2) -> Any:
             sampling=SamplingParams(max_new_tokens=8),
             n_samples_per_prompt=n,
             reward=agent_reward,
-            agentic=AgenticContext(
-                family=service.state.family,
-                agent=load_component("agent", "openenv"),
-                agent_options=options,
-                max_turns=4,
-                server=service,
-            ),
+            services={
+                "agentic": AgenticContext(
+                    family=service.state.family,
+                    agent=load_component("agent", "openenv"),
+                    agent_options=options,
+                    max_turns=4,
+                    server=service,
+                )
+            },
         )
         [group] = await GroupRollout(generate_fn="agentic")(ctx, [Prompt(index=3, prompt="Play.")])
         return group

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def qwen3() -> tuple[Any, Any]:
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     family = get_family("qwen3")
     return family, family_tokenizer(family.name, family.artefacts)
@@ -186,12 +186,12 @@ def test_a_session_that_fills_max_seq_len_is_truncated_with_its_tokens(qwen3, en
 
 def test_uses_the_runs_session_server_when_there_is_one(qwen3, engine_url) -> None:
     from miles.engines.client import SGLangClient
-    from miles.interfaces import AgenticContext
     from miles.plugins import load_component
-    from miles.session_server.app import ServerState
-    from miles.session_server.service import session_service
-    from miles.sessions import SessionStore
     from miles.types import Prompt, SamplingParams
+    from miles_envs.context import AgenticContext
+    from miles_envs.session_server.app import ServerState
+    from miles_envs.session_server.service import session_service
+    from miles_envs.sessions import SessionStore
 
     family, tokenizer = qwen3
     state = ServerState(
@@ -204,7 +204,7 @@ def test_uses_the_runs_session_server_when_there_is_one(qwen3, engine_url) -> No
     rollout = load_component("rollout", "verifiers")(generate_fn="default")
     with session_service(state) as service:
         ctx = _ctx(qwen3, engine_url, {"env": f"{__name__}:single_turn_env"}, n=1)
-        ctx.agentic = AgenticContext(family=family, server=service)
+        ctx.services["agentic"] = AgenticContext(family=family, server=service)
         [group] = _run(rollout, ctx, [Prompt(index=0, prompt="Say hi.", label="Hi")])
     assert rollout._own_server is None  # no second server: the run's served every turn
     assert group.samples[0].reward == 1.0 and group.samples[0].response_ids

@@ -11,18 +11,19 @@ from typing import Any
 import pytest
 
 from miles.builtins.buffer import FifoBuffer
-from miles.builtins.rewards.agent import agent_reward
-from miles.builtins.rollout.agentic import as_agent_result
 from miles.builtins.rollout.default import GroupRollout
 from miles.driver.generation import rollout_metrics
 from miles.engines.client import SGLangClient
 from miles.errors import ComponentError
-from miles.families import get_family
-from miles.interfaces import AgenticContext, AgentResult, AgentTask, BufferPolicy, RolloutContext
-from miles.session_server.app import ServerState
-from miles.session_server.service import session_service
-from miles.sessions import SessionStore
+from miles.interfaces import AgentResult, AgentTask, BufferPolicy, RolloutContext
 from miles.types import ExitReason, Group, Prompt, SamplingParams, Status
+from miles_envs.context import AgenticContext
+from miles_envs.families import get_family
+from miles_envs.rewards import agent_reward
+from miles_envs.rollout.agentic import as_agent_result
+from miles_envs.session_server.app import ServerState
+from miles_envs.session_server.service import session_service
+from miles_envs.sessions import SessionStore
 
 SAMPLING = SamplingParams(max_new_tokens=8)
 
@@ -56,7 +57,9 @@ def rollout(service: Any, agent: Any, n: int = 2, **agentic: Any) -> list[Group]
             sampling=SAMPLING,
             n_samples_per_prompt=n,
             reward=agent_reward,
-            agentic=AgenticContext(family=service.state.family, agent=agent, server=service, **agentic),
+            services={
+                "agentic": AgenticContext(family=service.state.family, agent=agent, server=service, **agentic)
+            },
         )
         return await GroupRollout(generate_fn="agentic")(ctx, [Prompt(index=7, prompt="do it")])
 

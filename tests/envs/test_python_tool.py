@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from miles.builtins.tools import run_tool_calls
 from miles.errors import ToolError
 from miles.plugins import make_component
 from miles.types import Prompt, Sample
 from miles_envs.sandbox.local import LocalProvider
+from miles_envs.tools.calculator import run_tool_calls
 from miles_envs.tools.python_exec import PythonSandbox
 
 LIMITS = {"wall_s": 5.0, "cpu_s": 5, "memory_bytes": 512 << 20}

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     family = get_family("qwen3")
     return family_tokenizer(family.name, family.artefacts)

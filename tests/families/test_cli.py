@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The command as miles/cli/__init__.py registers it (a lazily imported subcommand).
 CLI = MilesGroup(
     name="miles",
-    lazy_commands={"check-family": ("miles.cli.families:check_family", "Check a model family (CPU).")},
+    lazy_commands={"check-family": ("miles_envs.cli.families:check_family", "Check a model family (CPU).")},
 )
 
 
@@ -65,8 +65,8 @@ def test_check_family_fails_on_a_rewriting_template(tmp_path: Path) -> None:
 
 
 def test_check_family_on_a_tokenizer_folder() -> None:
-    from miles.families import get_family
-    from miles.families.artefacts import materialise
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import materialise
 
     folder = materialise("qwen2.5", get_family("qwen2.5").artefacts)
     code, output = invoke("check-family", "qwen2.5", "--tokenizer", str(folder))

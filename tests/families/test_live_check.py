@@ -53,7 +53,7 @@ def test_live_check_against_the_embedded_engine(
 ) -> None:
     from engine.helpers import running_engine
 
-    from miles.families import get_family
+    from miles_envs.families import get_family
 
     tokenizer = tokenizer_of("qwen3")
     stop_id = get_family("qwen3").stop_token_ids(tokenizer)[0]

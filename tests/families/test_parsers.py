@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from miles.families.parsers import (
+from miles_envs.families.parsers import (
     DeepSeekToolParser,
     GlmToolParser,
     JsonTagToolParser,
@@ -157,7 +157,7 @@ def test_coerce_value() -> None:
 
 @pytest.fixture(scope="module")
 def qwen3(tokenizer_of: Any) -> tuple[Any, Any]:
-    from miles.families import get_family
+    from miles_envs.families import get_family
 
     return get_family("qwen3"), tokenizer_of("qwen3")
 
@@ -191,7 +191,7 @@ def test_parse_reply_on_real_ids(qwen3: tuple[Any, Any]) -> None:
 
 
 def test_stop_token_ids(qwen3: tuple[Any, Any], tokenizer_of: Any) -> None:
-    from miles.families import get_family
+    from miles_envs.families import get_family
 
     family, tokenizer = qwen3
     assert tokenizer.convert_ids_to_tokens(family.stop_token_ids(tokenizer)) == [

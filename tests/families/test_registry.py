@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from miles.families import (
+from miles_envs.families import (
     FamilyError,
     ModelFamily,
     check_family_name,
@@ -20,7 +20,7 @@ from miles.families import (
     registered_families,
     registry,
 )
-from miles.families.base import TemplateEdit
+from miles_envs.families.base import TemplateEdit
 
 
 @pytest.fixture
@@ -109,8 +109,8 @@ def test_family_definition_is_validated() -> None:
 def test_light_imports() -> None:
     code = (
         "import sys\n"
-        "import miles.families, miles.families.check, miles.families.builtin, miles.cli.families\n"
-        "miles.families.get_family('qwen3')\n"
+        "import miles_envs.families, miles_envs.families.check, miles_envs.families.builtin, miles_envs.cli.families\n"
+        "miles_envs.families.get_family('qwen3')\n"
         "print(sorted({'torch', 'transformers', 'tokenizers', 'jinja2'} & set(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -185,7 +185,7 @@ def test_a_foreign_template_is_refused_and_an_unverified_one_warned(
         name="qwen3-unverified-test",
         template_edits=(*family.template_edits, TemplateEdit("# Tools", "# Functions", "test")),
     )
-    with caplog.at_level(logging.WARNING, logger="miles.families.base"):
+    with caplog.at_level(logging.WARNING, logger="miles_envs.families.base"):
         unverified.render_text(tokenizer, [{"role": "user", "content": "hi"}])
         unverified.render_text(tokenizer, [{"role": "user", "content": "hi"}])
     warnings = [

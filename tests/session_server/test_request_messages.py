@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from miles.session_server.app import ServerState, create_app
-from miles.session_server.openai_types import ChatMessage, RequestMessages, validate_message
-from miles.sessions import MessageError, SessionStore
 from miles.types import SamplingParams
+from miles_envs.session_server.app import ServerState, create_app
+from miles_envs.session_server.openai_types import ChatMessage, RequestMessages, validate_message
+from miles_envs.sessions import MessageError, SessionStore
 
 
 def call(call_id: str, arguments: str | None = '{"q": "x"}') -> dict[str, Any]:

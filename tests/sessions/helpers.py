@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from miles.sessions import Checkpoint, Plan, Session
+from miles_envs.sessions import Checkpoint, Plan, Session
 
 SYSTEM = {"role": "system", "content": "You are a helpful agent."}
 USER = {"role": "user", "content": "What is the weather in Paris?"}

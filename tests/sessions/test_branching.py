@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from miles.sessions import AbortedBranch, BranchingSession, EmptyTurn, SessionFull, TruncatedBranch, json_args
+from miles_envs.sessions import (
+    AbortedBranch,
+    BranchingSession,
+    EmptyTurn,
+    SessionFull,
+    TruncatedBranch,
+    json_args,
+)
 
 from .helpers import SYSTEM, USER, Engine, assistant, play, tool_call, user, weather_episode
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from miles.sessions import BranchingSession, LinearSession, SessionBusy, SessionConflict
+from miles_envs.sessions import BranchingSession, LinearSession, SessionBusy, SessionConflict
 
 from .helpers import Engine, assistant, play, user, weather_episode
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.sessions import (
+from miles_envs.sessions import (
     AbortedBranch,
     EmptyTurn,
     HistoryDiverged,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from miles.errors import ComponentError
-from miles.sessions import MatcherError, Message, json_args, loose, resolve_matcher, strict
-from miles.sessions.matchers import differences
+from miles_envs.sessions import MatcherError, Message, json_args, loose, resolve_matcher, strict
+from miles_envs.sessions.matchers import differences
 
 from .helpers import assistant
 
@@ -214,7 +214,7 @@ def test_user_matcher_by_import_path(user_module: str) -> None:
 
 
 def test_builtin_matchers_by_import_path() -> None:
-    match = resolve_matcher("miles.sessions.matchers:json_args")
+    match = resolve_matcher("miles_envs.sessions.matchers:json_args")
     assert match(msg(call('{"a": 1, "b": 2}')), msg(call('{"b": 2, "a": 1}')))
 
 

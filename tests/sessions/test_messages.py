@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.sessions import Message, MessageError, ToolCall, parse_messages
+from miles_envs.sessions import Message, MessageError, ToolCall, parse_messages
 
 
 def test_empty_content_forms_are_one_and_unknown_keys_are_dropped() -> None:

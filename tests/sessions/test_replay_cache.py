@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from miles.sessions import (
+from miles_envs.sessions import (
     BranchingSession,
     HistoryDiverged,
     LinearSession,
@@ -23,7 +23,7 @@ from miles.sessions import (
     json_args,
     strict,
 )
-from miles.sessions.messages import MAX_KEY_DEPTH, replay_key
+from miles_envs.sessions.messages import MAX_KEY_DEPTH, replay_key
 
 from .helpers import SYSTEM, USER, Engine, assistant, tool, tool_call, user
 

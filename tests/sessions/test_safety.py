@@ -8,7 +8,7 @@ import pytest
 
 from miles.config.schema import FullyAsyncSection
 from miles.errors import ConfigError
-from miles.sessions import SESSION_UPDATE_MODES, check_update_mode
+from miles_envs.sessions import SESSION_UPDATE_MODES, check_update_mode
 
 
 def test_abort_is_refused_with_the_setting_and_the_allowed_modes() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from miles.sessions import BranchingSession, LinearSession, assemble, session_samples
-from miles.sessions.trajectory import NO_EXPERT
 from miles.types import Prompt, Status
+from miles_envs.sessions import BranchingSession, LinearSession, assemble, session_samples
+from miles_envs.sessions.trajectory import NO_EXPERT
 
 from .helpers import Engine, assistant, expert_row, play, user, weather_episode
 

@@ -12,8 +12,10 @@ same way:
 - an **engine kind** (its launcher class) sets ``capabilities = EngineCapabilities(...)``
   (the weight receivers it has) and builds its client with ``client(url)``, which every path
   that talks to engines uses (``engine_client_factory``);
-- a **generate function** carries ``GenerateNeeds`` (``@declare_needs(GenerateNeeds(...))``):
-  a model family, the session server, the synchronous schedule;
+- a **generate function** carries ``GenerateNeeds`` (``@declare_needs(GenerateNeeds(...))``); the
+  core declares no field of its own there: a plugin subclasses it with what its rollout services
+  and checks read (``miles_rollout_services``, ``miles_check_config``), so the core never learns
+  what a plugin's generate functions need;
 - a **filter** carries ``FilterNeeds`` (the smallest group it can judge);
 - a component that takes options declares them as a pydantic model: ``Options = MyOptions``
   on a class, or ``@declare_options(MyOptions)`` next to ``declare_needs`` (usually a subclass
@@ -94,12 +96,12 @@ class EnginePrep:
 
 @dataclass(frozen=True)
 class GenerateNeeds:
-    """What a generate function needs from the run."""
+    """What a generate function needs from the run: the base a plugin subclasses with its own fields.
 
-    model_family: bool = False  # an `agentic:` section naming the model family
-    session_server: bool = False  # the run's session server (an agent reaches the engines through it)
-    sync_only_update_modes: bool = False  # under fully_async, only weight-update modes sessions survive
-    branching: bool = False  # it can use agentic.session_mode: branching
+    The plugin that owns a subclass reads it (``generate_needs(config)``) in its
+    ``miles_check_config`` and ``miles_rollout_services`` hooks; a generate function that declares
+    nothing needs nothing.
+    """
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class NoOptions(ComponentOptions):
 
 # The kinds whose recipe options are handed to the component as one mapping rather than as its
 # keyword arguments: a rollout or generate function reads ``rollout.options`` (RolloutContext.options),
-# an agent ``agentic.agent_options`` (AgentTask.options), a data source gets ``data.options`` as its
+# an agent its options mapping (AgentTask.options), a data source gets ``data.options`` as its
 # ``options`` argument, an engine kind ``engine.options`` in each EngineSpec. Their model describes
 # that mapping, and so does a tracker's (built as ``cls(ctx, options)``, miles.tracking.base); every
 # other kind's model describes the keyword arguments it is built with.
@@ -163,7 +165,7 @@ NO_FILTER_NEEDS = FilterNeeds()
 
 
 def declare_needs(needs: object) -> Callable[[T], T]:
-    """Attach ``needs`` to a function component (``@declare_needs(GenerateNeeds(model_family=True))``)."""
+    """Attach ``needs`` to a function component (``@declare_needs(MyGenerateNeeds(...))``)."""
 
     def mark(fn: T) -> T:
         fn.needs = needs  # type: ignore[attr-defined]
@@ -233,8 +235,8 @@ def check_needs(config: MilesConfig) -> None:
         return
     _check_transport(config)
     _check_release_memory(config)
-    _check_generate(config)
     _check_filters(config)
+    _check_plugins(config)
 
 
 def _check_transport(config: MilesConfig) -> None:
@@ -300,33 +302,12 @@ def _check_release_memory(config: MilesConfig) -> None:
         )
 
 
-def _check_generate(config: MilesConfig) -> None:
-    needs = generate_needs(config)
-    fn = repr(config.rollout.generate_fn)
-    if needs.model_family and config.agentic is None:
-        raise ConfigError(
-            f"rollout.generate_fn {fn} needs an `agentic:` section naming at least the model family "
-            "(agentic.family, e.g. qwen3; docs/model-families.md lists the registered ones)"
-        )
-    if config.agentic is not None and not needs.model_family:
-        raise ConfigError(
-            f"an `agentic:` section is set but rollout.generate_fn {fn} does not use it; set "
-            "rollout.generate_fn to one that runs multi-turn episodes (multi_turn, agentic), or remove the section"
-        )
-    if needs.sync_only_update_modes and config.schedule == "fully_async":
-        from miles.sessions.safety import check_update_mode
+def _check_plugins(config: MilesConfig) -> None:
+    """What plugins refuse about the recipe (``miles_check_config``), after the core's own checks."""
+    from miles.plugins import get_plugin_manager
 
-        check_update_mode(config.fully_async.update_mode)
-    if needs.session_server and config.eval is not None and config.eval.mode != "shared":
-        raise ConfigError(
-            f"eval.mode {config.eval.mode!r} with rollout.generate_fn {fn} is not supported: the agent reaches "
-            "engines through the run's session server, which serves the training engines. Use eval.mode: shared"
-        )
-    if config.agentic is not None and config.agentic.session_mode == "branching" and not needs.branching:
-        raise ConfigError(
-            f"agentic.session_mode 'branching' applies to the session server; rollout.generate_fn {fn} "
-            "drives a linear conversation itself"
-        )
+    generate_needs(config)  # a generate function that declares malformed needs fails here, by name
+    get_plugin_manager().hook.miles_check_config(config=config)
 
 
 def _check_filters(config: MilesConfig) -> None:
@@ -341,8 +322,3 @@ def _check_filters(config: MilesConfig) -> None:
                 f"samples, but rollout.n_samples_per_prompt is {n}: every group would be dropped; raise "
                 "n_samples_per_prompt or remove the filter"
             )
-
-
-def uses_session_server(config: MilesConfig) -> bool:
-    """Whether the run starts the session server (its generate function says it needs one)."""
-    return config.mode == "rl" and config.agentic is not None and generate_needs(config).session_server

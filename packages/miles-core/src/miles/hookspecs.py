@@ -21,9 +21,10 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
+    from miles.config.options import OptionSlot
     from miles.config.schema import MilesConfig
     from miles.config.sections import ConfigSection
-    from miles.interfaces import CorrectionOutput, LossInputs, LossOutput, TransportStats
+    from miles.interfaces import CorrectionOutput, LossInputs, LossOutput, RolloutService, TransportStats
     from miles.types import Group, TrainBatch
 
 hookspec = pluggy.HookspecMarker("miles")
@@ -58,6 +59,27 @@ def miles_configure(config: MilesConfig) -> None:
 
 
 @hookspec
+def miles_check_config(config: MilesConfig) -> None:
+    """Refuse a recipe whose components do not fit the plugin's settings (driver, before anything starts).
+
+    Fires after the core's own checks of the selected components (``miles.capabilities.check_needs``),
+    in ``miles run`` and in ``miles config validate --check``. Raise ``ConfigError`` (one sentence
+    saying what to change) to refuse; load components with ``miles.plugins.load_component`` to
+    read what they declare (``GenerateNeeds`` and its subclasses).
+    """
+
+
+@hookspec
+def miles_option_slots(config: MilesConfig) -> list[OptionSlot] | None:
+    """The options mappings of the components a plugin's config section selects (driver).
+
+    Return ``miles.config.options.OptionSlot`` records (where the mapping is, which components it
+    configures); each is validated against its components' declared options like the core's own
+    (``rollout.reward_options`` and the rest), with the recipe's file and line. None: none.
+    """
+
+
+@hookspec
 def miles_on_run_start(config: MilesConfig, run_dir: str) -> None:
     """The run directory exists and engines are up; nothing has been trained yet (driver)."""
 
@@ -68,6 +90,18 @@ def miles_on_run_end(run_dir: str, status: str) -> None:
 
 
 # ---------------------------------------------------------------------- rollout
+
+
+@hookspec
+def miles_rollout_services(config: MilesConfig) -> list[RolloutService] | RolloutService | None:
+    """Services the run's rollout uses (driver, while the components are resolved, before any engine starts).
+
+    Return ``RolloutService`` objects (or None when the recipe asks for none of yours): the
+    driver starts each once the engines are up (``service.start(ServiceSetup)``, a context
+    manager), puts what it yields in ``RolloutContext.services[service.name]`` and closes it
+    when the run ends. Resolve the names your settings select here, so that a bad one fails
+    before anything heavy starts. Two services with one name is an error.
+    """
 
 
 @hookspec

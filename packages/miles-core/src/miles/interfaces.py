@@ -7,7 +7,7 @@ Torch appears only in annotations, so importing this module stays cheap.
 
 Data flow (DESIGN.md §4)::
 
-    DataSource -> RolloutFn -> GenerateFn [-> AgentFn -> session server] -> Router -> EngineClient -> engines
+    DataSource -> RolloutFn -> GenerateFn [-> AgentFn -> a plugin's RolloutService] -> Router -> EngineClient -> engines
          ^            | groups
          | retry      v
          +------- Buffer (put / take / metrics)
@@ -19,8 +19,9 @@ Data flow (DESIGN.md §4)::
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from miles.types import ExitReason, GenerateOutput, Group, Prompt, Sample, SamplingParams, TrainBatch
 
@@ -123,9 +124,10 @@ class RolloutContext:
     scorers: list[SampleScorer] = field(default_factory=list)
     # Applied in order to each reward once it is known (e.g. an overlong penalty).
     reward_postprocess: list[RewardPostprocessor] = field(default_factory=list)
-    # What the multi-turn and agentic generate functions use: the model family, the session rules,
-    # the tools, the agent and, for agentic runs, the session server. None unless ``agentic:`` is set.
-    agentic: AgenticContext | None = None
+    # What the run's rollout services (``miles_rollout_services``) provide, by service name: a
+    # plugin's generate functions find there what its service started for the run (a server an
+    # agent talks to, resolved settings, ...). Empty when no plugin contributes a service.
+    services: dict[str, Any] = field(default_factory=dict)
 
     # Routes requests over ``engines`` (miles.engines.router.Router): by session key for multi-turn
     # work, by load otherwise. Built from ``engines`` (and ``dp_sizes``) when not given.
@@ -187,8 +189,8 @@ class AgentTask:
     label: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # the prompt's metadata
     toolset: ToolSet | None = None  # runs the tools the model calls (agents may bring their own)
-    max_turns: int = 8  # model calls the agent should stop after (``agentic.max_turns``)
-    options: dict[str, Any] = field(default_factory=dict)  # ``agentic.agent_options``
+    max_turns: int = 8  # model calls the agent should stop after (the recipe sets it)
+    options: dict[str, Any] = field(default_factory=dict)  # the agent's options from the recipe
 
 
 @dataclass
@@ -213,24 +215,30 @@ AgentFn = Callable[[AgentTask], "Awaitable[AgentResult | dict[str, Any] | None]"
 
 
 @dataclass
-class AgenticContext:
-    """The multi-turn and agentic generate functions' settings, resolved by the driver."""
+class ServiceSetup:
+    """What a rollout service gets when the driver starts it: the engines are up, nothing has run."""
 
-    family: Any  # a miles.families ModelFamily: renders, tokenizes suffixes, parses replies
-    session_mode: Literal["linear", "branching"] = "linear"
-    matcher: Any = None  # the resolved replay comparison (None: strict)
-    # branching sessions: which leaves become samples
-    leaf_selection: Literal["drop_retries", "all"] = "drop_retries"
-    toolset: ToolSet | None = None
-    agent: AgentFn | None = None
-    agent_options: dict[str, Any] = field(default_factory=dict)
-    agent_timeout_s: float | None = None  # an agent running longer is cancelled; its episode fails
-    max_turns: int = 8
-    max_seq_len: int | None = None  # prompt + response tokens per trajectory; beyond it: truncated
-    # the family's thinking switch for every turn (agentic.chat_template_kwargs; None: the template's default)
-    enable_thinking: bool | str | None = None
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # the recipe's, for the server
-    server: Any = None  # the running session server (miles.session_server.SessionService), agentic only
+    config: Any  # the run's MilesConfig (plugin sections included)
+    engine_urls: list[str]
+    tokenizer: Any  # the policy's tokenizer
+    sampling: SamplingParams  # the recipe's sampling defaults
+    dp_sizes: list[int] | None = None  # data-parallel ranks per engine (None: one each)
+
+
+@runtime_checkable
+class RolloutService(Protocol):
+    """Something generate functions use that lives as long as the run (a plugin contributes it
+    through ``miles_rollout_services``; the core starts it without knowing what it is).
+
+    It is built while the run's components are resolved, before any engine starts, so a bad
+    setting fails early. ``start`` is entered once the engines are up and left when the run
+    ends; what it yields is ``RolloutContext.services[name]`` for the training rollout and for
+    a shared-engine evaluation.
+    """
+
+    name: str
+
+    def start(self, setup: ServiceSetup) -> AbstractContextManager[Any]: ...
 
 
 # A reward scores one finished sample (sync or async); rewards are plain callables.

@@ -27,7 +27,7 @@ class Status(StrEnum):
 
 
 class ExitReason(StrEnum):
-    """Why an agentic episode ended, finer than its :class:`Status` (``metadata["exit_reason"]``).
+    """Why an episode ended, finer than its :class:`Status` (``metadata["exit_reason"]``).
 
     Counted per step as ``rollout/exit/<reason>``. The infrastructure reasons
     (:data:`INFRA_EXIT_REASONS`) say nothing about the policy: such an episode is marked

@@ -30,6 +30,7 @@ class Provider:
 _FSDP = Provider("fsdp", "miles-fsdp")
 _TRANSPORTS = Provider("transports", "miles-transports")
 _ENGINE = Provider("engine")
+_ENVS = Provider("envs", "miles-envs")
 
 # (kind, name) -> who provides it, for the built-in names that ship outside miles-core.
 COMPONENTS: dict[tuple[str, str], Provider] = {
@@ -38,10 +39,23 @@ COMPONENTS: dict[tuple[str, str], Provider] = {
     ("transport", "colocated"): _TRANSPORTS,
     ("transport", "disk-delta"): _TRANSPORTS,
     ("transport", "p2p"): _TRANSPORTS,
+    **{
+        key: _ENVS
+        for key in (
+            ("generate", "multi_turn"),
+            ("generate", "agentic"),
+            ("agent", "tool_agent"),
+            ("toolset", "calculator"),
+            ("reward", "agent"),
+            ("session_matcher", "strict"),
+            ("session_matcher", "json_args"),
+            ("session_matcher", "loose"),
+        )
+    },
 }
 
 # Top-level recipe sections that a plugin contributes (``miles_config_sections``).
-SECTIONS: dict[str, Provider] = {"fsdp": _FSDP}
+SECTIONS: dict[str, Provider] = {"fsdp": _FSDP, "agentic": _ENVS}
 
 # Top-level import name -> the extra whose dependencies bring it.
 LIBRARIES: dict[str, Provider] = {
@@ -58,6 +72,7 @@ LIBRARIES: dict[str, Provider] = {
     "megatron": Provider("megatron", "miles-megatron"),
     "miles_fsdp": _FSDP,
     "miles_transports": _TRANSPORTS,
+    "miles_envs": _ENVS,
 }
 
 

@@ -2,7 +2,10 @@
 
 The root group imports nothing but click: each subcommand lives in its own module,
 imported only when that subcommand runs (its one-line help is kept here so that
-``miles --help`` imports none of them). Errors a user can fix (``MilesError``) print
+``miles --help`` imports none of them). Plugins add commands through the ``miles.commands``
+entry-point group (``name = "pkg.module:click_command"``), read from metadata only; a
+plugin's command is imported when it runs or when ``miles --help`` asks for its help line,
+and one that fails to import is listed as broken instead of stopping ``miles``. Errors a user can fix (``MilesError``) print
 as one ``Error: ...`` line and exit 1; ``-v`` shows the traceback instead.
 """
 
@@ -16,6 +19,7 @@ import click
 from miles.cli._common import configure_logging, is_verbose, verbose_option
 
 # name -> ("module:attribute", one-line help). Add a command here and in its own module.
+# Plugins' commands come from the COMMANDS_GROUP entry points (``plugin_commands``).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("miles.cli.run:run", "Train with a recipe (built-in name or YAML file)."),
     "config": ("miles.cli.config:config", "Show, validate or describe a recipe's configuration."),
@@ -25,15 +29,24 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("miles.cli.report:report", "Plot a run's metrics into PNGs and one HTML page."),
     "replay": ("miles.cli.replay:replay", "Replay a rollout dump: re-score it, or compare its log-probs."),
     "engine": ("miles.cli.engine:engine", "Talk to a running engine: one raw /generate request."),
-    "serve": (
-        "miles.cli.serve:serve",
-        "Run the session server on its own, for agents developed outside a run.",
-    ),
-    "check-family": (
-        "miles.cli.families:check_family",
-        "Check that family NAME's rendering stays append-only from turn to turn (CPU).",
-    ),
 }
+
+
+COMMANDS_GROUP = "miles.commands"
+
+
+def plugin_commands() -> dict[str, str]:
+    """``{name: "module:attribute"}`` of the commands installed plugins declare (metadata only).
+
+    A plugin cannot replace a built-in command: a name that is already one is left out.
+    """
+    from importlib.metadata import entry_points
+
+    found: dict[str, str] = {}
+    for ep in entry_points(group=COMMANDS_GROUP):
+        if ep.name not in LAZY_COMMANDS:
+            found.setdefault(ep.name, ep.value)
+    return found
 
 
 class LazyGroup(click.Group):
@@ -46,15 +59,20 @@ class LazyGroup(click.Group):
         self.lazy_commands = dict(lazy_commands or {})
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *self.lazy_commands})
+        return sorted({*super().list_commands(ctx), *self.lazy_commands, *self._plugin_commands()})
+
+    def _plugin_commands(self) -> dict[str, str]:
+        return {}
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in self.lazy_commands and cmd_name not in self.commands:
-            self.add_command(self._import(cmd_name), cmd_name)
+        if cmd_name not in self.commands:
+            if cmd_name in self.lazy_commands:
+                self.add_command(self._import(cmd_name, self.lazy_commands[cmd_name][0]), cmd_name)
+            elif cmd_name in (plugins := self._plugin_commands()):
+                self.add_command(self._import(cmd_name, plugins[cmd_name]), cmd_name)
         return super().get_command(ctx, cmd_name)
 
-    def _import(self, cmd_name: str) -> click.Command:
-        target, _ = self.lazy_commands[cmd_name]
+    def _import(self, cmd_name: str, target: str) -> click.Command:
         module_name, _, attr = target.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -85,6 +103,14 @@ class LazyGroup(click.Group):
         for name in self.list_commands(ctx):
             if name in self.lazy_commands and name not in self.commands:
                 rows.append((name, self.lazy_commands[name][1]))
+            elif name not in self.commands and name in self._plugin_commands():
+                try:
+                    command = self.get_command(ctx, name)
+                except Exception as err:  # a broken plugin is listed, never stops miles --help
+                    rows.append((name, f"(broken plugin command: {err})"))
+                    continue
+                if command is not None and not command.hidden:
+                    rows.append((name, command.get_short_help_str(limit)))
             else:
                 command = super().get_command(ctx, name)
                 if command is not None and not command.hidden:
@@ -96,7 +122,11 @@ class LazyGroup(click.Group):
 
 class MilesGroup(LazyGroup):
     """Turns ``MilesError`` into click's one-line ``Error: ...`` (unless ``-v``), and so does a
-    missing optional library (torch, transformers, ...), with the extra that installs it."""
+    missing optional library (torch, transformers, ...), with the extra that installs it.
+    It also offers the commands plugins declare (``miles.commands``)."""
+
+    def _plugin_commands(self) -> dict[str, str]:
+        return plugin_commands()
 
     def invoke(self, ctx: click.Context) -> Any:
         from miles.errors import MilesError

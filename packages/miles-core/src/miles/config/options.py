@@ -129,15 +129,24 @@ def _key(dotted: str) -> KeyPath:
     return tuple(out)
 
 
+def option_slot(
+    path: str, values: Mapping[str, Any], *owners: tuple[str, str, str | None]
+) -> OptionSlot | None:
+    """The slot of the options mapping at dotted ``path``, read by the ``(dotted key, kind, ref)``
+    components that are named (a None ref: not selected); None when none is."""
+    named = tuple(Owner(_key(key), kind, ref) for key, kind, ref in owners if ref is not None)
+    return OptionSlot(_key(path), named, values) if named else None
+
+
 def option_slots(config: MilesConfig) -> list[OptionSlot]:
-    """Every options mapping ``config`` gives, with the components it configures (those the run uses)."""
-    from miles.capabilities import uses_session_server
-    from miles.plugins import load_component
+    """Every options mapping ``config`` gives, with the components it configures (those the run uses):
+    the core's sections', then those plugins report for theirs (``miles_option_slots``)."""
+    from miles.plugins import get_plugin_manager, load_component
 
     def slot(path: str, values: Mapping[str, Any], *owners: tuple[str, str, str | None]) -> None:
-        named = tuple(Owner(_key(key), kind, ref) for key, kind, ref in owners if ref is not None)
-        if named:
-            slots.append(OptionSlot(_key(path), named, values))
+        found = option_slot(path, values, *owners)
+        if found is not None:
+            slots.append(found)
 
     slots: list[OptionSlot] = []
     r, alg = config.rollout, config.algorithm
@@ -200,12 +209,11 @@ def option_slots(config: MilesConfig) -> list[OptionSlot]:
             )
         if ev.mode == "external":
             slot("eval.backend_options", ev.backend_options, ("eval.backend", "eval_backend", ev.backend))
-    a = config.agentic
-    if a is not None:
-        slot("agentic.tools_options", a.tools_options, ("agentic.tools", "toolset", a.tools))
-        if uses_session_server(config):  # the agent runs only behind the session server
-            slot("agentic.agent_options", a.agent_options, ("agentic.agent", "agent", a.agent))
-        slot("agentic.matcher_options", a.matcher_options, ("agentic.matcher", "session_matcher", a.matcher))
+    for contributed in get_plugin_manager().hook.miles_option_slots(config=config):
+        for found in contributed or ():
+            if not isinstance(found, OptionSlot):
+                raise TypeError(f"miles_option_slots returned {found!r}; expected OptionSlot records")
+            slots.append(found)
     slots.extend(tracker_slots(config))
     return slots
 

@@ -45,7 +45,6 @@ MUTABLE = (
     "schedule",
     "fully_async",
     "placement",
-    "agentic",
     "distillation.coef",
     "distillation.task_reward",
     "distillation.teachers",

@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from miles.config.schema import MilesConfig
 from miles.driver.objective import Objective, resolve_objective
 from miles.interfaces import (
-    AgenticContext,
     Buffer,
     BufferPolicy,
     DataSource,
@@ -19,6 +18,7 @@ from miles.interfaces import (
     RewardFn,
     RewardPostprocessor,
     RolloutFn,
+    RolloutService,
 )
 from miles.plugins import load_component, make_component
 from miles.types import Prompt
@@ -37,7 +37,8 @@ class Components:
     buffer: Buffer
     objective: Objective
     drops: Any  # miles.driver.generation.DropLog: what the buffer dropped, by reason
-    agentic: AgenticContext | None = None  # family, tools and agent of multi-turn / agentic rollouts
+    # What plugins run for the rollout (miles_rollout_services), resolved before any engine starts.
+    services: list[RolloutService] = field(default_factory=list)
 
 
 class SharedDataSource:
@@ -84,8 +85,8 @@ def buffer_policy(config: MilesConfig, filters: list[tuple[str, GroupFilter]]) -
 
 
 def build_components(config: MilesConfig, model_path: str, hooks: Hooks | None = None) -> Components:
-    from miles.driver.agentic import resolve_agentic
     from miles.driver.generation import DropLog
+    from miles.driver.rollout_services import resolve_services
 
     if hooks is None:
         from miles.driver.hooks import Hooks
@@ -118,5 +119,5 @@ def build_components(config: MilesConfig, model_path: str, hooks: Hooks | None =
         buffer=make_component("buffer", r.buffer, {"policy": policy}),
         objective=resolve_objective(config, model_path),
         drops=drops,
-        agentic=resolve_agentic(config),
+        services=resolve_services(config, hooks.pm),
     )

@@ -2,7 +2,7 @@
 
 Opening a session starts what the recipe asks for: trackers, the Ray session when placement
 asks for one, the engine fleet (RL), the trainer's ranks, the rollout context with the
-session server and served teachers, the schedule's generation side and the evaluator (RL), or
+plugins' rollout services and served teachers, the schedule's generation side and the evaluator (RL), or
 the conversation stage (SFT). Closing it stops every process the run started, whatever
 ended the run. The driver (``miles.loop``) only calls the step operations below.
 """
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from miles.config.schema import MilesConfig
-from miles.driver.agentic import fleet_dp_sizes, session_server
 from miles.driver.fleet import EngineFleet, engine_fleet
 from miles.driver.generation import RolloutStage, SyncGeneration
 from miles.driver.hooks import Hooks
 from miles.driver.interrupts import StopRequest
+from miles.driver.rollout_services import fleet_dp_sizes, started_services
 from miles.driver.services import (
     describe_update,
     engine_memory_held,
@@ -179,10 +179,10 @@ class Session:
             return
         assert self.fleet is not None
         # Sessions stick to one data-parallel rank of an engine that has several.
-        dp_sizes = fleet_dp_sizes(engine_urls, self.config) if components.agentic is not None else None
+        dp_sizes = fleet_dp_sizes(engine_urls, self.config) if components.services else None
         ctx = _rollout_context(config, start.model_path, engines, components, self.console, dp_sizes)
-        ctx.agentic = stack.enter_context(
-            session_server(config, components.agentic, engine_urls, ctx.tokenizer, ctx.sampling, dp_sizes)
+        ctx.services = stack.enter_context(
+            started_services(components.services, config, engine_urls, ctx.tokenizer, ctx.sampling, dp_sizes)
         )
         teacher = stack.enter_context(served_teacher(config, ctx.tokenizer, loop, self.run.sub("teachers")))
         if teacher is not None:
@@ -374,7 +374,7 @@ def _evaluator(session: Session, ctx: RolloutContext, engine_urls: list[str]) ->
         session.config,
         model_path=session.start.model_path,
         tokenizer=ctx.tokenizer,
-        agentic=ctx.agentic,
+        services=ctx.services,
         run_dir=session.run.path,
         engine_urls=engine_urls,
         export_snapshot=lambda directory: _locked_export(session, directory),

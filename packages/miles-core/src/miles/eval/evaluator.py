@@ -52,7 +52,7 @@ from miles.eval.result import (
 from miles.eval.scoring import EvalScore, eval_set_from_config
 from miles.eval.snapshot import export_snapshot, remove_snapshot
 from miles.eval.versions import VersionStats
-from miles.interfaces import AgenticContext, EngineClient
+from miles.interfaces import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Evaluator:
         export_snapshot: Callable[[str], None],
         pause_production: Callable[[], contextlib.AbstractContextManager[None]],
         weights_lock: threading.Lock,
-        agentic: AgenticContext | None = None,
+        services: dict[str, Any] | None = None,
     ) -> None:
         if config.eval is None:
             raise ConfigError("the recipe has no eval section, so there is nothing to evaluate")
@@ -156,7 +156,7 @@ class Evaluator:
         self._weights_lock = weights_lock
         self._inline = self.mode == "shared" and config.schedule == "sync"
         # Resolved now: a bad eval data path, reward or backend fails before the run starts training.
-        self.eval_set = eval_set_from_config(config, _own_copy(tokenizer), agentic)
+        self.eval_set = eval_set_from_config(config, _own_copy(tokenizer), services)
         self._backend = None
         if self.mode == "external":
             from miles.eval.external import make_eval_backend

@@ -16,7 +16,7 @@ from miles.config.schema import DataSection, MilesConfig
 from miles.errors import DataError
 from miles.eval.result import ENGINE_ERROR, EvalSkipped
 from miles.eval.versions import VersionStats, version_stats
-from miles.interfaces import AgenticContext, EngineClient, RewardFn, RolloutContext, RolloutFn
+from miles.interfaces import EngineClient, RewardFn, RolloutContext, RolloutFn
 from miles.types import Prompt, Sample, SamplingParams, Status
 
 
@@ -57,7 +57,8 @@ class EvalSet:
     n_samples_per_prompt: int
     rollout: RolloutFn
     options: dict[str, Any] = field(default_factory=dict)  # the rollout options (generate layers read them)
-    agentic: AgenticContext | None = None  # the run's multi-turn / agentic settings (its session server)
+    # The run's rollout services (RolloutContext.services), so a generate layer that uses one finds it.
+    services: dict[str, Any] = field(default_factory=dict)
 
     async def score(self, engines: list[EngineClient], version: int) -> EvalScore:
         """Run every eval prompt on ``engines`` (spread over them) and score the result as ``version``."""
@@ -70,7 +71,7 @@ class EvalSet:
             n_samples_per_prompt=self.n_samples_per_prompt,
             reward=self.reward,
             options=dict(self.options),
-            agentic=self.agentic,
+            services=dict(self.services),
         )
         # Copies: a generate layer may annotate its prompt, and the next evaluation must see the same set.
         groups = await self.rollout(ctx, copy.deepcopy(self.prompts))
@@ -139,10 +140,10 @@ def build_eval_set(
 
 
 def eval_set_from_config(
-    config: MilesConfig, tokenizer: Any, agentic: AgenticContext | None = None
+    config: MilesConfig, tokenizer: Any, services: dict[str, Any] | None = None
 ) -> EvalSet:
     """The run's eval set: ``eval.data`` sampled per the ``eval`` section, the run's generate layer
-    (with ``agentic``, the run's multi-turn / agentic settings, when it uses one).
+    (with ``services``, the run's rollout services, for a generate layer that uses one).
 
     The reward is ``eval.reward`` (default: the training reward, with its options unless
     ``eval.reward_options`` gives others).
@@ -165,5 +166,5 @@ def eval_set_from_config(
         generate_fn=r.generate_fn,
         rollout_options=r.options,
     )
-    eval_set.agentic = agentic
+    eval_set.services = dict(services or {})
     return eval_set

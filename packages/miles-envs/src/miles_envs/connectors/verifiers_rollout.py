@@ -27,11 +27,12 @@ from typing import Any
 
 from pydantic import Field
 
-from miles.builtins.rollout.episodes import episode_samples, prompt_messages
 from miles.capabilities import ComponentOptions
 from miles.errors import ConfigError
 from miles.interfaces import RolloutContext
 from miles.types import ExitReason, Group, Prompt, Sample, Status
+from miles_envs.context import agentic_of
+from miles_envs.rollout.episodes import episode_samples, prompt_messages
 
 log = logging.getLogger("miles.connectors.verifiers")
 
@@ -104,8 +105,9 @@ class VerifiersRollout:
         return self._env
 
     def _service(self, ctx: RolloutContext, opts: VerifiersOptions) -> Any:
-        if ctx.agentic is not None and ctx.agentic.server is not None:
-            return ctx.agentic.server
+        agentic = agentic_of(ctx)
+        if agentic is not None and agentic.server is not None:
+            return agentic.server
         if self._own_server is None:
             self._own_server = self._stack.enter_context(_own_session_server(ctx, opts))
         return self._own_server
@@ -230,10 +232,10 @@ def _samples(
 @contextlib.contextmanager
 def _own_session_server(ctx: RolloutContext, opts: VerifiersOptions) -> Any:
     from miles.engines.client import SGLangClient
-    from miles.families import get_family
-    from miles.session_server.app import ServerState
-    from miles.session_server.service import session_service
-    from miles.sessions import SessionStore
+    from miles_envs.families import get_family
+    from miles_envs.session_server.app import ServerState
+    from miles_envs.session_server.service import session_service
+    from miles_envs.sessions import SessionStore
 
     if opts.family is None:
         raise ConfigError(

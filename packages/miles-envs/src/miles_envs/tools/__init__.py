@@ -1,1 +1,1 @@
-"""Tool sets for multi-turn and agentic rollouts that run untrusted code in a sandbox."""
+"""Tool sets: the calculator, and tools that run untrusted code in a sandbox."""

@@ -34,7 +34,7 @@ class GroupRollout:
     post-processor that raises. A trajectory the generate layer marked FAILED gets no reward.
 
     ``generate_fn`` names the layer below (a generate function by name or import path),
-    so a multi-turn or agentic generate function replaces exactly that layer.
+    so a multi-turn generate function (a plugin's) replaces exactly that layer.
     It reads no ``rollout.options`` (``Options``); a generate function may.
     """
 

@@ -30,9 +30,9 @@ from collections.abc import Container, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from miles.sessions.checkpoints import Checkpoint, ExpertRow, expert_shape
-from miles.sessions.store import LeafSelection, Session
 from miles.types import Prompt, Sample, Status
+from miles_envs.sessions.checkpoints import Checkpoint, ExpertRow, expert_shape
+from miles_envs.sessions.store import LeafSelection, Session
 
 NO_EXPERT = -1  # a routed-expert id meaning "not recorded: let the router choose"
 

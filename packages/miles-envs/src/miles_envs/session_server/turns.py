@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from miles.families.base import ParsedReply, Thinking
-from miles.sessions import Checkpoint, Session, SessionError
 from miles.types import GenerateOutput, SamplingParams
+from miles_envs.families.base import ParsedReply, Thinking
+from miles_envs.sessions import Checkpoint, Session, SessionError
 
 # Sends input ids to an engine (the caller routes it) and returns what the engine generated.
 Generate = Callable[[list[int], SamplingParams], Awaitable[GenerateOutput]]

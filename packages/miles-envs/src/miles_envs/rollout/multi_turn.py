@@ -5,7 +5,7 @@ the run's tool set, appends the tool results and asks again, until the model ans
 without a tool call, ``agentic.max_turns`` turns have run, or the episode's tokens reach
 ``agentic.max_seq_len``. A tool set that raises (other than ``ToolError``, which the model
 sees) fails the episode. Each turn goes through the session server's turn logic
-(:func:`miles.session_server.turns.complete_turn`) on an in-process linear session, so the
+(:func:`miles_envs.session_server.turns.complete_turn`) on an in-process linear session, so the
 trajectory is assembled exactly as for an agent talking to the server over HTTP: one
 sequence, loss mask 1 on sampled tokens only, log-probs and versions per token.
 
@@ -17,20 +17,21 @@ from __future__ import annotations
 import logging
 import traceback
 
-from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
-from miles.builtins.tools import run_tool_calls
-from miles.capabilities import GenerateNeeds, NoOptions, declare_needs, declare_options
-from miles.interfaces import AgenticContext, RolloutContext
-from miles.session_server.turns import ContextExhausted, complete_turn
-from miles.sessions import LinearSession, strict
+from miles.capabilities import NoOptions, declare_needs, declare_options
+from miles.interfaces import RolloutContext
 from miles.types import ExitReason, GenerateOutput, Sample, SamplingParams
+from miles_envs.context import AgenticContext, AgenticNeeds, agentic_context
+from miles_envs.rollout.episodes import episode_samples, prompt_messages
+from miles_envs.session_server.turns import ContextExhausted, complete_turn
+from miles_envs.sessions import LinearSession, strict
+from miles_envs.tools.calculator import run_tool_calls
 
 log = logging.getLogger("miles.rollout")
 
 
 # It renders with the model family's template and keeps a session whose prefix a mid-turn weight
 # change would break; it plays the agent itself, so no session server.
-@declare_needs(GenerateNeeds(model_family=True, sync_only_update_modes=True))
+@declare_needs(AgenticNeeds(model_family=True, sync_only_update_modes=True))
 @declare_options(NoOptions)  # reads no rollout.options (its settings are the agentic section)
 async def multi_turn_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     agentic = agentic_context(ctx, "multi_turn")

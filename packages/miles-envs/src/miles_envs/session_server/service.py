@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from miles.session_server.app import ServerState, SessionUsage
-from miles.sessions import Session
+from miles_envs.session_server.app import ServerState, SessionUsage
+from miles_envs.sessions import Session
 
 
 @dataclass
@@ -50,7 +50,7 @@ class SessionService:
 @contextlib.contextmanager
 def session_service(state: ServerState, host: str = "127.0.0.1", port: int = 0) -> Iterator[SessionService]:
     """Serve ``state`` in a background thread for the duration of the block."""
-    from miles.session_server.serve import serve
+    from miles_envs.session_server.serve import serve
 
     with serve(state, host=host, port=port) as url:
         yield SessionService(url=url, state=state)

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from miles.errors import ConfigError
-from miles.sessions.checkpoints import Checkpoint, ExpertRow, Plan, expert_shape, make_checkpoint
-from miles.sessions.errors import (
+from miles_envs.sessions.checkpoints import Checkpoint, ExpertRow, Plan, expert_shape, make_checkpoint
+from miles_envs.sessions.errors import (
     AbortedBranch,
     EmptyTurn,
     HistoryDiverged,
@@ -64,8 +64,8 @@ from miles.sessions.errors import (
     StalePlan,
     TruncatedBranch,
 )
-from miles.sessions.matchers import CheckedMatcher, Matcher, checked, differences, strict
-from miles.sessions.messages import Message, equal_prefix, message_list, replay_key
+from miles_envs.sessions.matchers import CheckedMatcher, Matcher, checked, differences, strict
+from miles_envs.sessions.messages import Message, equal_prefix, message_list, replay_key
 
 SessionMode = Literal["linear", "branching"]
 LeafSelection = Literal["drop_retries", "all"]

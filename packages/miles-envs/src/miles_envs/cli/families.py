@@ -11,7 +11,7 @@ import click
 from miles.cli._common import verbose_option
 
 if TYPE_CHECKING:
-    from miles.families.check import FamilyReport
+    from miles_envs.families.check import FamilyReport
 
 
 def _table(report: FamilyReport) -> list[str]:
@@ -75,7 +75,7 @@ def check_family(name: str, tokenizer_dir: Path | None, template_file: Path | No
     rendering the whole conversation, token by token. Without --tokenizer it runs on the family's
     pinned offline tokenizer and every pinned template revision. Exits 1 if any case fails.
     """
-    from miles.families.check import check_registered
+    from miles_envs.families.check import check_registered
 
     reports = check_registered(name, tokenizer_dir, template_file)
     if as_json:

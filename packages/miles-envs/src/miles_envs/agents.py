@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import Field
 
-from miles.builtins.tools import run_tool_calls
 from miles.capabilities import ComponentOptions, declare_options
 from miles.errors import ComponentError
 from miles.interfaces import AgentResult, AgentTask
+from miles_envs.tools.calculator import run_tool_calls
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam

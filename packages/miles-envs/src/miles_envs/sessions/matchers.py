@@ -27,7 +27,7 @@ exception or a non-bool answer becomes one clear ``MatcherError``.
 
 Every matcher must be a function of its two messages: the same pair, the same answer. A
 session asks once per resent form: a message the agent resends as the very JSON value the
-matcher already accepted at that place is not put to it again (see ``miles.sessions.store``).
+matcher already accepted at that place is not put to it again (see ``miles_envs.sessions.store``).
 Accepting a message as equal to itself is not required.
 """
 
@@ -39,8 +39,8 @@ from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
-from miles.sessions.errors import MatcherError
-from miles.sessions.messages import Arguments, Message, ToolCall
+from miles_envs.sessions.errors import MatcherError
+from miles_envs.sessions.messages import Arguments, Message, ToolCall
 
 Matcher = Callable[[Message, Message], bool]
 

@@ -13,7 +13,7 @@ log-probs, weight versions and routed experts; a later turn extends the deepest
 recorded checkpoint its messages replay and tokenizes only the new messages. Whatever
 token-level fields the agent sends are ignored. Engines are reached through the
 foundation's engine client (``/generate`` with ``input_ids``), so this works the same on
-the embedded engine and on SGLang. The turn itself is :func:`miles.session_server.turns.complete_turn`,
+the embedded engine and on SGLang. The turn itself is :func:`miles_envs.session_server.turns.complete_turn`,
 shared with the in-process multi-turn rollout.
 
 Every session sticks to one engine (and data-parallel rank), chosen by the router when it is
@@ -37,10 +37,11 @@ from fastapi.routing import APIRoute
 
 from miles.engines.router import Router
 from miles.errors import EngineError
-from miles.families import FamilyError
-from miles.families.base import TemplateKwargsError, Thinking
 from miles.interfaces import EngineClient
-from miles.session_server.openai_types import (
+from miles.types import GenerateOutput, Prompt, SamplingParams, Status
+from miles_envs.families import FamilyError
+from miles_envs.families.base import TemplateKwargsError, Thinking
+from miles_envs.session_server.openai_types import (
     ChatCompletion,
     ChatCompletionRequest,
     Choice,
@@ -54,8 +55,8 @@ from miles.session_server.openai_types import (
     Usage,
     ValidationErrorResponse,
 )
-from miles.session_server.turns import ContextExhausted, complete_turn
-from miles.sessions import (
+from miles_envs.session_server.turns import ContextExhausted, complete_turn
+from miles_envs.sessions import (
     MessageError,
     Session,
     SessionBusy,
@@ -67,7 +68,6 @@ from miles.sessions import (
     SessionStore,
     session_samples,
 )
-from miles.types import GenerateOutput, Prompt, SamplingParams, Status
 
 _STATUS = {
     MessageError: 422,
@@ -123,7 +123,7 @@ class ServerState:
     """
 
     store: SessionStore
-    family: Any  # miles.families ModelFamily: render_ids, suffix_ids, parse_reply, stop_token_ids
+    family: Any  # miles_envs.families ModelFamily: render_ids, suffix_ids, parse_reply, stop_token_ids
     tokenizer: Any
     engines: list[EngineClient]  # the engine kind's clients (async)
     sampling: SamplingParams

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from miles.families.base import FamilyError, ModelFamily
+from miles_envs.families.base import FamilyError, ModelFamily
 
 GENERIC = "generic"
 
@@ -52,7 +52,7 @@ def _ensure_builtins() -> None:
     with _BUILTIN_LOCK:
         if _BUILTINS_LOADED:
             return
-        from miles.families.builtin import BUILTIN_FAMILIES
+        from miles_envs.families.builtin import BUILTIN_FAMILIES
 
         for family in BUILTIN_FAMILIES:
             _register(family.name, family, replace=False)

@@ -1,24 +1,12 @@
-"""What the multi-turn and agentic generate functions share: the prompt as messages, the
-episode's settings, and turning a recorded session into the trajectory's samples."""
+"""What the multi-turn and agentic generate functions share: the prompt as messages, and
+turning a recorded session into the trajectory's samples (their settings: miles_envs.context)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from miles.errors import ConfigError
-from miles.interfaces import AgenticContext, RolloutContext
-from miles.sessions import Session, session_samples
 from miles.types import Prompt, Sample, Status
-
-
-def agentic_context(ctx: RolloutContext, generate_fn: str) -> AgenticContext:
-    """The run's agentic settings; a clear error when the recipe has no ``agentic:`` section."""
-    if ctx.agentic is None:
-        raise ConfigError(
-            f"rollout.generate_fn {generate_fn!r} needs an `agentic:` section in the recipe "
-            "(at least agentic.family, the model family that renders and parses the chat)"
-        )
-    return ctx.agentic
+from miles_envs.sessions import Session, session_samples
 
 
 def prompt_messages(prompt: Prompt) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ conversation and cuts right after the anchor's reply, where the family knows the
 Its cost therefore depends on the new messages only, never on the length of the conversation.
 
 This only gives the same ids as rendering the whole conversation when the template is
-append-only at those cuts; ``miles check-family`` (``miles.families.check``) verifies that for
+append-only at those cuts; ``miles check-family`` (``miles_envs.families.check``) verifies that for
 each registered family. Where an official template rewrites history (Qwen3 and MiniMax drop the
 reasoning of earlier turns), the family applies small, named :class:`TemplateEdit` s that keep
 what the model generated, because a token-in-token-out server cannot take tokens back.
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from miles.errors import MilesError
 
 if TYPE_CHECKING:
-    from miles.families.artefacts import Artefacts, PinnedFile
-    from miles.families.parsers import ReasoningParser, ToolCallParser
+    from miles_envs.families.artefacts import Artefacts, PinnedFile
+    from miles_envs.families.parsers import ReasoningParser, ToolCallParser
 
 logger = logging.getLogger(__name__)
 

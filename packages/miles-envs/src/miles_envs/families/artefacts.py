@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.families.base import FamilyArtefactError, Tokenizer
+from miles_envs.families.base import FamilyArtefactError, Tokenizer
 
 
 @dataclass(frozen=True)

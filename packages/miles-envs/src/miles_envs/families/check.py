@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.families.base import FamilyError, Message, ModelFamily, Tokenizer, encode, sha256_text
+from miles_envs.families.base import FamilyError, Message, ModelFamily, Tokenizer, encode, sha256_text
 
 # ---------------------------------------------------------------------------- conversation shapes
 
@@ -606,8 +606,8 @@ def check_registered(
 ) -> list[FamilyReport]:
     """Check a registered family: on its pinned artefacts and template variants, or on a given
     tokenizer folder and/or template file. One report per (tokenizer, template)."""
-    from miles.families.artefacts import load_tokenizer, materialise, read_pinned_text
-    from miles.families.registry import get_family, is_registered, registered_families
+    from miles_envs.families.artefacts import load_tokenizer, materialise, read_pinned_text
+    from miles_envs.families.registry import get_family, is_registered, registered_families
 
     if not is_registered(name):
         raise FamilyError(

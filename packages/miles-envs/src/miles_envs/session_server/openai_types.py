@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator
 
-from miles.sessions import MessageError
-from miles.sessions.messages import equal_prefix, frozen_json_object
+from miles_envs.sessions import MessageError
+from miles_envs.sessions.messages import equal_prefix, frozen_json_object
 
 
 class FunctionCall(BaseModel):
@@ -243,7 +243,7 @@ class Usage(BaseModel):
 
 
 class TrajectoryTokens(BaseModel):
-    """One training sequence of a session, as the trainer receives it (``miles.sessions.assemble``)."""
+    """One training sequence of a session, as the trainer receives it (``miles_envs.sessions.assemble``)."""
 
     leaf: int = Field(description="the id of the checkpoint it ends at")
     checkpoint_ids: list[int] = Field(description="its checkpoints, root first (one per generated turn)")

@@ -3,8 +3,8 @@
 See ``docs/model-families.md``. Importing this package loads no tokenizer library.
 """
 
-from miles.families.base import FamilyArtefactError, FamilyError, ModelFamily, ParsedReply, TemplateEdit
-from miles.families.registry import (
+from miles_envs.families.base import FamilyArtefactError, FamilyError, ModelFamily, ParsedReply, TemplateEdit
+from miles_envs.families.registry import (
     GENERIC,
     check_family_name,
     get_family,

@@ -44,11 +44,11 @@ def session_server(
     GET /sessions/{id}/trajectory shows the tokens, loss mask and log-probs a run would train on.
     """
     from miles.engines.client import SGLangClient, normalize_url
-    from miles.families import get_family
-    from miles.session_server.app import ServerState
-    from miles.session_server.service import session_service
-    from miles.sessions import SessionStore
     from miles.types import SamplingParams
+    from miles_envs.families import get_family
+    from miles_envs.session_server.app import ServerState
+    from miles_envs.session_server.service import session_service
+    from miles_envs.sessions import SessionStore
 
     chosen = get_family(family)
     state = ServerState(
@@ -73,7 +73,7 @@ def session_server(
 
 def _tokenizer(family: Any, model: str | None) -> Any:
     if model is None:
-        from miles.families.artefacts import family_tokenizer
+        from miles_envs.families.artefacts import family_tokenizer
 
         return family_tokenizer(family.name, family.artefacts)
     from miles.cli.engine import _tokenizer as model_tokenizer

@@ -10,8 +10,8 @@ See docs/sessions.md.
 
 from __future__ import annotations
 
-from miles.sessions.checkpoints import FINISH_REASONS, Checkpoint, Plan
-from miles.sessions.errors import (
+from miles_envs.sessions.checkpoints import FINISH_REASONS, Checkpoint, Plan
+from miles_envs.sessions.errors import (
     AbortedBranch,
     EmptyTurn,
     HistoryDiverged,
@@ -26,11 +26,11 @@ from miles.sessions.errors import (
     StalePlan,
     TruncatedBranch,
 )
-from miles.sessions.matchers import BUILTIN_MATCHERS, Matcher, json_args, loose, resolve_matcher, strict
-from miles.sessions.messages import Message, ToolCall, parse_messages
-from miles.sessions.safety import SESSION_UPDATE_MODES, check_update_mode
-from miles.sessions.store import BranchingSession, LinearSession, Session, SessionStore
-from miles.sessions.trajectory import assemble, session_samples, trajectory_status
+from miles_envs.sessions.matchers import BUILTIN_MATCHERS, Matcher, json_args, loose, resolve_matcher, strict
+from miles_envs.sessions.messages import Message, ToolCall, parse_messages
+from miles_envs.sessions.safety import SESSION_UPDATE_MODES, check_update_mode
+from miles_envs.sessions.store import BranchingSession, LinearSession, Session, SessionStore
+from miles_envs.sessions.trajectory import assemble, session_samples, trajectory_status
 
 __all__ = [
     "BUILTIN_MATCHERS",

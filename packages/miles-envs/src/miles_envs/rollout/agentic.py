@@ -21,19 +21,20 @@ import logging
 import traceback
 from typing import Any
 
-from miles.builtins.rewards.agent import AGENT_REWARD
-from miles.builtins.rollout.episodes import agentic_context, episode_samples, prompt_messages
-from miles.capabilities import GenerateNeeds, NoOptions, declare_needs, declare_options
+from miles.capabilities import NoOptions, declare_needs, declare_options
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import AgentResult, AgentTask, RolloutContext
 from miles.types import INFRA_EXIT_REASONS, ExitReason, Sample, SamplingParams, Status
+from miles_envs.context import AgenticNeeds, agentic_context
+from miles_envs.rewards import AGENT_REWARD
+from miles_envs.rollout.episodes import episode_samples, prompt_messages
 
 log = logging.getLogger("miles.rollout")
 
 
 # The agent reaches the engines through the run's session server (linear or branching sessions).
 @declare_needs(
-    GenerateNeeds(model_family=True, session_server=True, sync_only_update_modes=True, branching=True)
+    AgenticNeeds(model_family=True, session_server=True, sync_only_update_modes=True, branching=True)
 )
 @declare_options(NoOptions)  # reads no rollout.options (its settings are the agentic section)
 async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
