@@ -121,6 +121,25 @@ def test_plugin_commands_come_from_their_entry_points() -> None:
         assert result.output.startswith(f"Usage: cli {name}")
 
 
+def test_a_broken_plugin_command_is_listed_not_fatal() -> None:
+    from miles.cli import LazyGroup
+
+    class Group(LazyGroup):
+        def _plugin_commands(self) -> dict[str, str]:
+            return {"broken": "no_such_module_for_miles_tests:command"}
+
+    @click.group(cls=Group)
+    def group() -> None:
+        """A group with one broken plugin command."""
+
+    runner = CliRunner()
+    listed = runner.invoke(group, ["--help"])
+    assert listed.exit_code == 0, listed.output
+    assert "broken" in listed.output and "broken plugin command" in listed.output
+    selected = runner.invoke(group, ["broken"])
+    assert selected.exit_code != 0 and "not available" in selected.output
+
+
 def test_listed_help_matches_each_command() -> None:
     ctx = click.Context(cli)
     for name, (_, short_help) in LAZY_COMMANDS.items():

@@ -2,11 +2,14 @@
 
 The root group imports nothing but click: each subcommand lives in its own module,
 imported only when that subcommand runs (its one-line help is kept here so that
-``miles --help`` imports none of them). Plugins add commands through the ``miles.commands``
-entry-point group (``name = "pkg.module:click_command"``), read from metadata only; a
-plugin's command is imported when it runs or when ``miles --help`` asks for its help line,
-and one that fails to import is listed as broken instead of stopping ``miles``. Errors a user can fix (``MilesError``) print
+``miles --help`` imports none of them). Errors a user can fix (``MilesError``) print
 as one ``Error: ...`` line and exit 1; ``-v`` shows the traceback instead.
+
+Plugins add commands through the ``miles.commands`` entry-point group
+(``name = "pkg.module:click_command"``; miles-envs's ``serve`` and ``check-family`` are two),
+found from metadata only. A plugin's command is imported when it runs or when ``miles --help``
+asks for its help line (keep its module light), and one that fails to import is listed as
+broken instead of stopping ``miles``; a plugin cannot replace a built-in command.
 """
 
 from __future__ import annotations
