@@ -10,8 +10,10 @@ one after the other, in one invocation:
     python3 benchmarks/trl_vs_miles_gpu.py --steps 5 --sides trl,miles,miles-files --out result.json
 
 ``miles`` is the one-GPU colocated configuration (paged engine, CUDA-IPC weight hand-off, the KV
-cache released while the trainer trains); ``miles-files`` the same with the colocated file hand-off
-and no release, as before issue 15. Reported per side: the median seconds per step over steps 2..N,
+cache released while the trainer trains, the trainer offloaded while the engine generates);
+``miles-resident`` the same with the trainer kept on the GPU and the KV cache kept (both fit on one
+H200 at this size); ``miles-files`` the colocated file hand-off with offload and no release, as
+before issue 15. Reported per side: the median seconds per step over steps 2..N,
 and for Miles the step's breakdown from its own ``time/`` metrics. Needs CUDA, TRL and `datasets`
 (scripts/gpu-trl-bench.sh carries them).
 """
@@ -238,6 +240,13 @@ def miles_overrides(spec: dict[str, Any], variant: str, out: Path) -> list[str]:
             "engine.options.kv_cache=paged",
             "engine.options.kv_tokens=8192",
         ]
+    if variant == "miles-resident":  # the trainer stays on the GPU beside the KV cache: no copies a step
+        return [
+            *common,
+            "transport=cuda-ipc",
+            "placement.offload_trainer=false",
+            "engine.options.mem_fraction=0.5",
+        ]
     if variant == "miles":
         return [
             *common,
@@ -319,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker[1]).write_text(json.dumps(trl_worker(spec)), encoding="utf-8")
         return 0
     sides = args.sides.split(",")
-    unknown = set(sides) - {"trl", "miles", "miles-files"}
+    unknown = set(sides) - {"trl", "miles", "miles-resident", "miles-files"}
     if unknown:
-        raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from trl, miles, miles-files")
+        raise SystemExit(
+            f"--sides: unknown {sorted(unknown)}; choose from trl, miles, miles-resident, miles-files"
+        )
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = write_model(workdir, args.shape, seed=0)

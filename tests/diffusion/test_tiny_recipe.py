@@ -24,6 +24,27 @@ STANDARD = Path(__file__).parent / "standards" / "tiny_flow_grpo.json"
 STANDARD_ENV = STANDARD.with_suffix(".env.json")
 
 
+def _cpu_model() -> str:
+    """The processor's name and a digest of its feature flags: virtual machines often report one generic
+    name for different hosts, whose flags (and rounding) differ."""
+    import hashlib
+
+    name, flags = "", ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = " ".join(sorted(value.split()))
+    except OSError:
+        import platform
+
+        name = platform.processor() or platform.machine()
+    return f"{name} [flags {hashlib.sha256(flags.encode()).hexdigest()[:12]}]"
+
+
 def _environment() -> dict[str, str]:
     import diffusers
 
@@ -31,6 +52,8 @@ def _environment() -> dict[str, str]:
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # Rounding can differ between processors of one instruction set (kernel choice, FMA use).
+        "cpu_model": _cpu_model(),
     }
 
 

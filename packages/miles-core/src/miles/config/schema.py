@@ -334,6 +334,12 @@ class PlacementSection(Section):
         description="colocated: trainer and engines share devices (the trainer is offloaded while engines "
         "generate); disaggregated: separate pools. None: colocated iff transport is 'colocated'",
     )
+    offload_trainer: bool = Field(
+        True,
+        description="colocated: move the trainer's weights, gradients and optimizer state to host memory while "
+        "the engines generate; false keeps them on the devices (when they fit beside the engines' KV cache, "
+        "e.g. a small model on one large GPU), saving the two copies a step",
+    )
     launcher: Literal["local", "ray"] = Field(
         "local", description="local: processes on this machine; ray: actors in Ray placement groups"
     )

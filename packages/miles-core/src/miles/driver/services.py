@@ -257,8 +257,9 @@ def placement_session(config: MilesConfig) -> Iterator[None]:
 
 @contextlib.contextmanager
 def offloaded_while(config: MilesConfig, backend: Any) -> Iterator[None]:
-    """Colocated placement: the trainer's state leaves the shared devices while the engines generate."""
-    if not shares_devices(config):
+    """Colocated placement: the trainer's state leaves the shared devices while the engines generate
+    (unless placement.offload_trainer is false)."""
+    if not shares_devices(config) or not config.placement.offload_trainer:
         yield
         return
     from miles.tracking.timing import timed
