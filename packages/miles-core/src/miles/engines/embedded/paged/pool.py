@@ -101,6 +101,10 @@ class KVPool:
         self.k = torch.zeros(dims, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(dims, dtype=self.dtype, device=self.device)
 
+    def addresses(self) -> tuple[int, int] | None:
+        """Where the K and V tensors live (None: released); captured graphs depend on them."""
+        return None if self.k is None else (self.k.data_ptr(), self.v.data_ptr())
+
     def release(self) -> int:
         """Free both tensors; returns the bytes they held."""
         if self.k is None:

@@ -87,6 +87,7 @@ class PagedRunner:
         self._free_rows = list(range(rows - 1, 0, -1))
         self._writes: list[tuple[int, int, int]] = []  # pending (row, column, block) table writes
         self.graphs: DecodeGraphs | None = None
+        self._released_at: tuple[int, int] | None = None  # the pool's addresses when it was released
         if device.type == "cuda" and options.cuda_graphs:
             self.graphs = DecodeGraphs(self, options.max_batch_size)
         log.info(
@@ -258,11 +259,13 @@ class PagedRunner:
     # ---------------------------------------------------------------- memory
 
     def release_memory(self) -> int:
-        """Free the KV pool and the graphs (nothing may be running); returns the bytes the pool held."""
+        """Free the KV pool (nothing may be running); returns the bytes the pool held.
+
+        The decode graphs are kept: if the pool comes back at the same addresses they are still
+        valid, and capturing them again costs more than the rest of a resume."""
         if self.allocator.num_free != self.allocator.num_blocks - 1:
             raise RuntimeError("the KV pool cannot be released while requests hold blocks")
-        if self.graphs is not None:
-            self.graphs.drop()
+        self._released_at = self.pool.addresses()
         return self.pool.release()
 
     def resume_memory(self) -> None:
@@ -271,11 +274,14 @@ class PagedRunner:
         self.pool.resume()
         self.allocator.reset()
         self.model.pool = self.pool
-        if self.graphs is not None:
+        if self.graphs is not None and self.pool.addresses() != self._released_at:
             # The graphs read the pool at its old addresses: capture them again now, so the time is the
             # resume's and not the first request's.
+            log.info("the KV pool came back at other addresses: capturing the decode graphs again")
+            self.graphs.drop()
             with torch.inference_mode():
                 self.graphs.capture()
+        self._released_at = None
 
 
 def _read(tokens: Any, logprobs: Any) -> Sampled:
