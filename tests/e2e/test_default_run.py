@@ -54,7 +54,10 @@ def _with_plugin(plugin, fn):
 def test_default_recipe_trains_writes_metrics_tensorboard_and_hf_checkpoint(small_run):
     config = small_run("run.save_every=2")
     rec = _Recorder()
+    # the check is on what this run imports: an earlier test in this process may have loaded megatron
+    already_loaded = set(sys.modules)
     result = _with_plugin(rec, lambda: train(config))
+    newly_loaded = set(sys.modules) - already_loaded
 
     rows = _rows(result.metrics_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -78,7 +81,10 @@ def test_default_recipe_trains_writes_metrics_tensorboard_and_hf_checkpoint(smal
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(final)
-    assert "megatron" not in sys.modules and "miles_megatron.backend" not in sys.modules
+    # the default recipe never pulls in the Megatron backend (heavy imports live where they are used)
+    assert not {
+        m for m in newly_loaded if m.split(".")[0] == "megatron" or m.startswith("miles_megatron.backend")
+    }
 
 
 def test_run_refuses_to_overwrite_results_unless_asked(small_run):
