@@ -38,6 +38,7 @@ from _bench import (
     thread_env,
     write_result,
 )
+from _trl_timing import timed_grpo
 
 # Where the two sides cannot do exactly the same thing; printed with the result and kept in the JSON.
 DIFFERENCES = [
@@ -163,8 +164,8 @@ def trl_worker(spec_path: str, result_path: str) -> None:
 
     torch.set_num_threads(setting["threads"])
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
 
     rg = reasoning_gym_dataset(setting)
     rows = [{"prompt": chat_prompt(setting, entry["question"]), "rg_index": i} for i, entry in enumerate(rg)]
@@ -216,41 +217,7 @@ def trl_worker(spec_path: str, result_path: str) -> None:
     )
     sync = torch.cuda.synchronize if setting["device"] == "cuda" else (lambda: None)
 
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.step_s: list[float] = []
-            self.logs: list[dict[str, Any]] = []
-            self.first_step_at: float | None = None
-            self._t0 = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            sync()
-            self._t0 = time.perf_counter()
-            if self.first_step_at is None:
-                self.first_step_at = self._t0
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync()
-            self.step_s.append(time.perf_counter() - self._t0)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                self.logs.append(dict(logs))
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """Records the rollout part of each step: generation, rewards and advantages."""
-
-        rollout_s: list[float]
-
-        def _generate_and_score_completions(self, inputs):
-            sync()
-            t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
-            sync()
-            self.rollout_s.append(time.perf_counter() - t0)
-            return out
-
-    timer = StepTimer()
+    timer, TimedGRPOTrainer = timed_grpo(sync)
     trainer = TimedGRPOTrainer(
         model=model,
         reward_funcs=[chain_sum_reward],
@@ -259,7 +226,6 @@ def trl_worker(spec_path: str, result_path: str) -> None:
         processing_class=tokenizer,
         callbacks=[timer],
     )
-    trainer.rollout_s = []
     trainer.train()
     step_s, rollout_s = timer.step_s, trainer.rollout_s
     result = {

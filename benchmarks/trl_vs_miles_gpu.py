@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _trl_timing import timed_grpo
+
 VOCAB = 151_936
 SHAPES = {
     "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28},
@@ -103,8 +105,8 @@ def prompts(n: int, length: int, seed: int) -> list[str]:
 def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
 
     s = spec
     dataset = Dataset.from_list([{"prompt": p} for p in s["prompts"]])
@@ -142,31 +144,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     sync = (lambda: None) if s["cpu_smoke"] else torch.cuda.synchronize
 
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.step_s: list[float] = []
-            self._t0 = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            sync()
-            self._t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync()
-            self.step_s.append(time.perf_counter() - self._t0)
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        rollout_s: list[float]
-
-        def _generate_and_score_completions(self, inputs):
-            sync()
-            t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
-            sync()
-            self.rollout_s.append(time.perf_counter() - t0)
-            return out
-
-    timer = StepTimer()
+    timer, TimedGRPOTrainer = timed_grpo(sync)
     trainer = TimedGRPOTrainer(
         model=model,
         reward_funcs=[reward],
@@ -175,7 +153,6 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
         processing_class=tokenizer,
         callbacks=[timer],
     )
-    trainer.rollout_s = []
     trainer.train()
     return {
         "step_s": timer.step_s,
