@@ -135,39 +135,9 @@ def test_release_memory_needs_shared_devices():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_hands_weights_to_an_engine_on_the_same_gpu(engine_model, tmp_path):
-    from fsdp.helpers import make_batch, make_spec
-    from transformers import AutoModelForCausalLM
+    from transports.gpu_round_trip import train_and_update_engine
 
-    from miles.engines.launchers import EmbeddedLauncher
-    from miles.interfaces import EngineSpec
-    from miles_fsdp.backend import FSDPBackend
-    from transports.test_transports import assert_engines_serve
-
-    launcher = EmbeddedLauncher(startup_timeout_s=300)
-    backend = FSDPBackend()
-    try:
-        urls = launcher.launch(
-            [EngineSpec(model_path=engine_model, options={"device": "cuda", "dtype": "float32"})],
-            str(tmp_path / "logs"),
-        )
-        spec = make_spec(
-            engine_model,
-            1,
-            transport="cuda-ipc",
-            engine_urls=urls,
-            # Small buckets: several handles per update, the staged path as well as the commit.
-            transport_options={"bucket_mb": 0.01, "check_equal": True},
-            train={"lr": 1e-2},
-            fsdp={"device": "cuda"},
-        )
-        backend.setup(spec)
-        for version in (1, 2):
-            backend.train_step(make_batch(4, seed=30 + version))
-            stats = backend.update_weights(version)
-            assert stats.buckets > 1 and stats.bytes_sent > 0
-        backend.export_hf(str(tmp_path / "hf"))
-        trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
-        assert_engines_serve(urls, trained, version=2)
-    finally:
-        backend.shutdown()
-        launcher.shutdown()
+    # Two versions: the second update reuses what the first set up on the engine.
+    train_and_update_engine(
+        engine_model, tmp_path, engine_device="cuda", transport="cuda-ipc", transport_options={}, versions=2
+    )
