@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 
 @dataclass(frozen=True)
 class FlowGRPOConfig:
+    name: ClassVar[str] = "flow_grpo"
+
     clip_range: float = 1e-3
     """The ratio is clipped to [1 - clip_range, 1 + clip_range] (log-probs are per-pixel means)."""
     kl_coef: float = 0.0

@@ -66,3 +66,22 @@ def build_tiny_model(config: TinyFlowModelConfig, seed: int) -> FlowModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return FlowModel(config)
+
+
+def forward_noise(images: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The forward (noising) process ``x_t = (1 - t) * images + t * noise``; ``t``: [B] in [0, 1]."""
+    tb = t.to(images.dtype).view(-1, *([1] * (images.ndim - 1)))
+    return (1.0 - tb) * images + tb * noise
+
+
+def velocity_target(images: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The rectified-flow velocity ``d x_t / d t = noise - images`` the model is trained to predict."""
+    return noise - images
+
+
+def flow_matching_error(
+    model: FlowModel, images: torch.Tensor, prompts: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
+    """Per-sample mean squared error of the model's velocity at ``x_t`` against the target, [B]."""
+    v = model(forward_noise(images, noise, t), t, prompts)
+    return ((v - velocity_target(images, noise)) ** 2).flatten(1).mean(dim=1)

@@ -1,4 +1,9 @@
-"""A diffusion recipe: one YAML file naming the model, sampler, reward, objective and run length."""
+"""A diffusion recipe: one YAML file naming the model, sampler, reward, objective and run length.
+
+The ``objective`` section names a registered objective (``name``, default ``flow_grpo``; see
+:mod:`miles_diffusion.objectives`) and sets that objective's own config. A supervised objective
+(``sft``) also needs a ``dataset`` section; a rollout objective needs a ``reward``.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ from typing import Any
 
 import yaml
 
+from miles_diffusion.datasets import ShapesDatasetConfig
 from miles_diffusion.flow_grpo import FlowGRPOConfig
 from miles_diffusion.model import TinyFlowModelConfig
+from miles_diffusion.objectives import ObjectiveConfig, TrainerConfig, objective_config
 from miles_diffusion.sampler import SamplerConfig
-from miles_diffusion.trainer import TrainerConfig
 
 EVIDENCE_LEVELS = ("fully gated", "proxy gated", "verified", "not verified")
 
@@ -36,9 +42,12 @@ class DiffusionRecipe:
     eval_seed: int = 1234
     model: TinyFlowModelConfig = field(default_factory=TinyFlowModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    reward: RewardSpec = field(default_factory=RewardSpec)
-    objective: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    reward: RewardSpec | None = field(default_factory=RewardSpec)
+    """Scores rollouts (rollout objectives) and the evaluation samples; ``null`` for none (SFT)."""
+    objective: ObjectiveConfig = field(default_factory=FlowGRPOConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dataset: ShapesDatasetConfig | None = None
+    """The given images a supervised objective trains on."""
 
     def __post_init__(self) -> None:
         if self.evidence_level not in EVIDENCE_LEVELS:
@@ -60,16 +69,23 @@ _SECTIONS: dict[str, type] = {
     "model": TinyFlowModelConfig,
     "sampler": SamplerConfig,
     "reward": RewardSpec,
-    "objective": FlowGRPOConfig,
     "trainer": TrainerConfig,
+    "dataset": ShapesDatasetConfig,
 }
+_NULLABLE = ("reward", "dataset")
+DEFAULT_OBJECTIVE = FlowGRPOConfig.name
 
 
 def recipe_from_dict(data: dict[str, Any]) -> DiffusionRecipe:
     values = dict(data)
     for key, cls in _SECTIONS.items():
         if key in values:
+            if values[key] is None and key in _NULLABLE:
+                continue
             values[key] = _build(cls, values[key] or {})
+    if "objective" in values:
+        section = dict(values["objective"] or {})
+        values["objective"] = objective_config(section.pop("name", DEFAULT_OBJECTIVE), section)
     result: DiffusionRecipe = _build(DiffusionRecipe, values)
     return result
 

@@ -1,7 +1,9 @@
-"""Self-contained Flow-GRPO driver: ``python -m miles_diffusion.train RECIPE --out DIR``.
+"""Self-contained diffusion driver: ``python -m miles_diffusion.train RECIPE --out DIR``.
 
 Not yet the core ``miles run`` loop: it samples, scores and trains in one process with the package's
-own typed pieces, and writes one JSON line of metrics per iteration to ``DIR/metrics.jsonl``.
+own typed pieces, and writes one JSON line of metrics per iteration to ``DIR/metrics.jsonl``. The
+recipe's objective decides what an iteration trains on: a rollout objective (Flow-GRPO, DiffusionNFT)
+on images the model samples and the reward scores, a supervised one (SFT) on a batch of given images.
 """
 
 from __future__ import annotations
@@ -15,24 +17,61 @@ from pathlib import Path
 
 import torch
 
+from miles_diffusion.datasets import ImageDataset, build_shapes_dataset, class_mean_colours
 from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
-from miles_diffusion.flow_grpo import group_advantages
 from miles_diffusion.model import FlowModel, build_tiny_model
+from miles_diffusion.objectives import (
+    ObjectiveContext,
+    Rollout,
+    RolloutObjective,
+    SupervisedObjective,
+    build_objective,
+)
 from miles_diffusion.recipe import DiffusionRecipe, load_recipe
 from miles_diffusion.rewards import ImageReward, load_reward
-from miles_diffusion.sampler import sample
-from miles_diffusion.trainer import FlowGRPOTrainer, choose_steps
+from miles_diffusion.sampler import Trajectory, sample
+from miles_diffusion.sft import evaluation_loss
 
 TIMING_PREFIX = "time/"
 """Metrics under this prefix are wall-clock times: registered, but not repeatable bit for bit."""
 
 
-def evaluate(model: FlowModel, recipe: DiffusionRecipe, reward: ImageReward) -> float:
-    """Mean reward over a fixed set of prompts and a fixed seed, so runs compare like for like."""
+def evaluation_samples(model: FlowModel, recipe: DiffusionRecipe) -> Trajectory:
+    """Samples for a fixed set of prompts and a fixed seed, so runs compare like for like."""
     prompts = torch.arange(recipe.model.num_prompts).repeat_interleave(recipe.eval_prompts_per_id)
     generator = torch.Generator().manual_seed(recipe.eval_seed)
-    trajectory = sample(model, prompts, recipe.sampler, generator)
-    return float(reward(trajectory.images, prompts).mean())
+    return sample(model, prompts, recipe.sampler, generator)
+
+
+def evaluate(model: FlowModel, recipe: DiffusionRecipe, reward: ImageReward) -> float:
+    """Mean reward over :func:`evaluation_samples`."""
+    trajectory = evaluation_samples(model, recipe)
+    return float(reward(trajectory.images, trajectory.prompts).mean())
+
+
+def _evaluate_all(
+    model: FlowModel,
+    recipe: DiffusionRecipe,
+    reward: ImageReward | None,
+    dataset: ImageDataset | None,
+    suffix: str,
+) -> dict[str, float]:
+    """``eval/reward`` with a reward; with a dataset also the held-out flow-matching loss and how far
+    the samples' mean colour per prompt is from the training set's (mean squared RGB distance)."""
+    out: dict[str, float] = {}
+    if reward is None and dataset is None:
+        return out
+    trajectory = evaluation_samples(model, recipe)
+    if reward is not None:
+        out[f"eval/reward_{suffix}"] = float(reward(trajectory.images, trajectory.prompts).mean())
+    if dataset is not None:
+        out[f"eval/loss_{suffix}"] = evaluation_loss(model, dataset.held_out, recipe.eval_seed)
+        k = recipe.model.num_prompts
+        sampled = class_mean_colours(trajectory.images, trajectory.prompts, k)
+        train = dataset.train
+        given = class_mean_colours((train.images + 1.0) / 2.0, train.prompts, k)
+        out[f"eval/colour_error_{suffix}"] = float(((sampled - given) ** 2).sum(dim=1).mean())
+    return out
 
 
 def run(
@@ -49,6 +88,43 @@ def run(
         return _run(recipe, out_dir, on_metrics)
 
 
+def _rollout_metrics(
+    recipe: DiffusionRecipe,
+    model: FlowModel,
+    objective: RolloutObjective,
+    reward: ImageReward,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    started = time.perf_counter()
+    ids = torch.randint(recipe.model.num_prompts, (recipe.prompts_per_iteration,), generator=generator)
+    prompts = ids.repeat_interleave(recipe.group_size)
+    trajectory = sample(model, prompts, recipe.sampler, generator)
+    sampled = time.perf_counter()
+    rewards = reward(trajectory.images, prompts)
+    stats = objective.train_on_rollout(Rollout(trajectory, rewards, recipe.group_size), generator)
+    finished = time.perf_counter()
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "reward/max": float(rewards.max()),
+        "log_prob/mean": float(trajectory.log_probs.mean()),
+        **{f"train/{key}": value for key, value in stats.items()},
+        f"{TIMING_PREFIX}rollout_s": sampled - started,
+        f"{TIMING_PREFIX}step_s": finished - started,
+    }
+
+
+def _supervised_metrics(
+    objective: SupervisedObjective, dataset: ImageDataset, generator: torch.Generator
+) -> dict[str, float]:
+    started = time.perf_counter()
+    stats = objective.train_on_batch(dataset.batch(generator), generator)
+    return {
+        **{f"train/{key}": value for key, value in stats.items()},
+        f"{TIMING_PREFIX}step_s": time.perf_counter() - started,
+    }
+
+
 def _run(
     recipe: DiffusionRecipe,
     out_dir: Path | None,
@@ -58,8 +134,15 @@ def _run(
     model.eval()
     if recipe.deterministic:
         check_attention_backends(model)
-    reward = load_reward(recipe.reward.name, recipe.reward.options)
-    trainer = FlowGRPOTrainer(model, recipe.objective, recipe.trainer, recipe.sampler.noise_level)
+    reward = load_reward(recipe.reward.name, recipe.reward.options) if recipe.reward else None
+    objective = build_objective(recipe.objective, ObjectiveContext(model, recipe.trainer, recipe.sampler))
+    dataset: ImageDataset | None = None
+    if isinstance(objective, SupervisedObjective):
+        if recipe.dataset is None:
+            raise ValueError(f"recipe {recipe.name}: objective {recipe.objective.name!r} needs a dataset")
+        dataset = build_shapes_dataset(recipe.dataset, recipe.model.image_size, recipe.model.num_prompts)
+    elif reward is None:
+        raise ValueError(f"recipe {recipe.name}: objective {recipe.objective.name!r} needs a reward")
     generator = torch.Generator().manual_seed(recipe.seed)
     history: list[dict[str, float]] = []
     sink = None
@@ -67,34 +150,19 @@ def _run(
         out_dir.mkdir(parents=True, exist_ok=True)
         sink = (out_dir / "metrics.jsonl").open("w")
     try:
-        eval_before = evaluate(model, recipe, reward)
+        eval_before = _evaluate_all(model, recipe, reward, dataset, "before")
         for iteration in range(recipe.num_iterations):
-            started = time.perf_counter()
-            ids = torch.randint(
-                recipe.model.num_prompts, (recipe.prompts_per_iteration,), generator=generator
-            )
-            prompts = ids.repeat_interleave(recipe.group_size)
-            trajectory = sample(model, prompts, recipe.sampler, generator)
-            sampled = time.perf_counter()
-            rewards = reward(trajectory.images, prompts)
-            advantages = group_advantages(rewards, recipe.group_size, recipe.objective.eps)
-            steps = choose_steps(trajectory.num_steps, recipe.trainer.train_step_fraction, generator)
-            stats = trainer.train_step(trajectory, advantages, steps)
-            finished = time.perf_counter()
-            metrics: dict[str, float] = {
-                "iteration": float(iteration),
-                "reward/mean": float(rewards.mean()),
-                "reward/std": float(rewards.std(unbiased=False)),
-                "reward/max": float(rewards.max()),
-                "log_prob/mean": float(trajectory.log_probs.mean()),
-                **{f"train/{key}": value for key, value in stats.items()},
-                f"{TIMING_PREFIX}rollout_s": sampled - started,
-                f"{TIMING_PREFIX}step_s": finished - started,
-            }
+            metrics: dict[str, float] = {"iteration": float(iteration)}
+            if isinstance(objective, SupervisedObjective):
+                assert dataset is not None
+                metrics.update(_supervised_metrics(objective, dataset, generator))
+            else:
+                assert reward is not None
+                metrics.update(_rollout_metrics(recipe, model, objective, reward, generator))
             if iteration == 0:
-                metrics["eval/reward_before"] = eval_before
+                metrics.update(eval_before)
             if iteration == recipe.num_iterations - 1:
-                metrics["eval/reward_after"] = evaluate(model, recipe, reward)
+                metrics.update(_evaluate_all(model, recipe, reward, dataset, "after"))
             history.append(metrics)
             if sink is not None:
                 sink.write(json.dumps(metrics) + "\n")
@@ -122,16 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"recipe {recipe.name}: evidence level {recipe.evidence_level}")
 
     def show(m: dict[str, float]) -> None:
-        print(
-            f"iter {int(m['iteration'])}: reward {m['reward/mean']:.4f} "
-            f"step {m[TIMING_PREFIX + 'step_s']:.2f}s"
-        )
+        shown = f"reward {m['reward/mean']:.4f}" if "reward/mean" in m else f"loss {m['train/loss']:.4f}"
+        print(f"iter {int(m['iteration'])}: {shown} step {m[TIMING_PREFIX + 'step_s']:.2f}s")
 
     history = run(recipe, args.out, on_metrics=show)
-    print(
-        f"eval reward before {history[0]['eval/reward_before']:.4f} "
-        f"after {history[-1]['eval/reward_after']:.4f}"
-    )
+    for key in sorted(history[0]):
+        if key.startswith("eval/") and key.endswith("_before"):
+            name = key.removesuffix("_before")
+            after = history[-1][f"{name}_after"]
+            print(f"{name} before {history[0][key]:.4f} after {after:.4f}")
 
 
 if __name__ == "__main__":

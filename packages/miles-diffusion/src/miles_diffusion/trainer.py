@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 
 import torch
 
-from miles_diffusion.flow_grpo import FlowGRPOConfig, flow_grpo_step_loss
+from miles_diffusion.flow_grpo import FlowGRPOConfig, flow_grpo_step_loss, group_advantages
 from miles_diffusion.model import FlowModel
+from miles_diffusion.objectives import Rollout, TrainerConfig
 from miles_diffusion.sampler import Trajectory, step_distribution, step_log_prob
 
+__all__ = ["FlowGRPOTrainer", "TrainerConfig", "choose_steps", "make_optimizer"]
 
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    train_step_fraction: float = 0.6
-    """Fraction of the denoising steps re-scored and trained on each iteration (chosen at random)."""
-    steps_per_update: int = 2
-    """Denoising steps whose gradients are accumulated into one optimizer step."""
+
+def make_optimizer(model: FlowModel, config: TrainerConfig) -> torch.optim.Optimizer:
+    """The AdamW optimizer every objective trains with."""
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
 
 def choose_steps(num_steps: int, fraction: float, generator: torch.Generator) -> list[int]:
@@ -45,7 +41,7 @@ class FlowGRPOTrainer:
         self.objective = objective
         self.config = config
         self.noise_level = noise_level
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = make_optimizer(model, config)
         self.reference: FlowModel | None = None
         if objective.kl_coef > 0:
             self.reference = copy.deepcopy(model).requires_grad_(False)
@@ -65,6 +61,14 @@ class FlowGRPOTrainer:
                 self.noise_level,
             )
         return ((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2.0 * std**2)
+
+    def train_on_rollout(self, rollout: Rollout, generator: torch.Generator) -> dict[str, float]:
+        """Group-relative advantages of the rollout's rewards, then :meth:`train_step` on a seeded
+        random subset of its denoising steps (``train_step_fraction``)."""
+        advantages = group_advantages(rollout.rewards, rollout.group_size, self.objective.eps)
+        trajectory = rollout.trajectory
+        steps = choose_steps(trajectory.num_steps, self.config.train_step_fraction, generator)
+        return self.train_step(trajectory, advantages, steps)
 
     def train_step(
         self, trajectory: Trajectory, advantages: torch.Tensor, steps: list[int]
