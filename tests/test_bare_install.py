@@ -148,7 +148,12 @@ def test_listing_and_help_work_in_a_bare_install(bare: Path, tmp_path: Path) -> 
 
 def test_every_extra_in_the_hint_table_exists() -> None:
     extras = tomllib.loads((CORE / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    providers = [*hints.COMPONENTS.values(), *hints.SECTIONS.values(), *hints.LIBRARIES.values()]
+    providers = [
+        *hints.COMPONENTS.values(),
+        *hints.KINDS.values(),
+        *hints.SECTIONS.values(),
+        *hints.LIBRARIES.values(),
+    ]
     for provider in providers:
         assert provider.extra in extras, provider
         if provider.distribution is not None:
@@ -160,6 +165,7 @@ def test_hints_stay_quiet_when_the_provider_is_installed() -> None:
     """In the workspace miles-fsdp is installed: an unknown name there is a real typo, not a missing extra."""
     assert hints.component_hint("backend", "fsdp") is None
     assert hints.section_hint("fsdp") is None
+    assert hints.kind_hint("agent") is None  # miles-envs declares it here
     assert hints.missing_library(ModuleNotFoundError("x", name="torch")) is None  # torch is installed here
     if _importable("sglang"):
         pytest.skip("sglang is installed here")

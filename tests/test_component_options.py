@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from miles.capabilities import MAPPING_OPTION_KINDS, options_model
+from miles.capabilities import options_model, takes_options_as_mapping
 from miles.cli import cli
 from miles.config import RecipeError, load_recipe
-from miles.config.options import OPTION_KINDS, check_component_options
-from miles.plugins import KIND_GROUPS, load_component, make_component
+from miles.config.options import check_component_options, option_kinds
+from miles.plugins import kind_groups, load_component, make_component
 
 pytestmark = pytest.mark.usefixtures("fixture_plugins_for_module")
 
@@ -260,8 +260,9 @@ def test_config_schema_includes_the_components_options() -> None:
 
 def _builtin_components() -> list[tuple[str, str, object]]:
     found = []
-    for kind in OPTION_KINDS:
-        group = KIND_GROUPS[kind]
+    groups = kind_groups()
+    for kind in option_kinds():
+        group = groups[kind]
         for ep in importlib.metadata.entry_points(group=group):
             if ep.dist is not None and ep.dist.name in ("miles-core", "miles-transports"):
                 found.append((kind, ep.name, load_component(kind, ep.name)))
@@ -272,7 +273,7 @@ def test_every_builtin_class_taking_keyword_options_declares_a_model_that_matche
     """Where a model describes a class's keyword arguments, names and defaults agree with __init__."""
     checked = []
     for kind, name, component in _builtin_components():
-        if not isinstance(component, type) or kind in MAPPING_OPTION_KINDS:
+        if not isinstance(component, type) or takes_options_as_mapping(kind):
             continue
         params = {
             p.name: p.default

@@ -156,14 +156,12 @@ def _agentic_names_in(path: Path, envs_names: set[str]) -> list[str]:
         if any(word in name.lower() for word in AGENTIC_IDENTIFIERS):
             problems.append(f"{where}: names {name!r}")
     if path != HINTS:
-        from miles._plugins.discovery import KIND_GROUPS
-
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
                 continue
             text = node.value
-            # Component kinds (agent, toolset, ...) are the core's vocabulary; their providers are not.
-            if (text in envs_names and text not in KIND_GROUPS) or text.startswith("miles_envs"):
+            # Not even the kinds miles-envs adds (agent, toolset, session_matcher): it declares them.
+            if text in envs_names or text.startswith("miles_envs"):
                 problems.append(f"{where}:{node.lineno}: names {text!r}, which miles-envs provides")
     return problems
 

@@ -16,10 +16,11 @@ from agentic.scripted_model import PAIRS, script_episode
 from miles.builtins.rewards.exact_match import exact_match
 from miles.builtins.rollout.default import GroupRollout
 from miles.engines.client import SGLangClient
-from miles.interfaces import AgentResult, AgentTask, RolloutContext
+from miles.interfaces import RolloutContext
 from miles.types import Group, Prompt, SamplingParams, Status
 from miles_envs.agents import tool_agent
 from miles_envs.context import AgenticContext
+from miles_envs.interfaces import AgentResult, AgentTask
 from miles_envs.rewards import agent_reward
 from miles_envs.session_server.app import ServerState
 from miles_envs.session_server.service import session_service

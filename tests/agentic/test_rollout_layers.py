@@ -9,8 +9,9 @@ import pytest
 
 from miles.builtins.rollout.default import GroupRollout
 from miles.errors import ComponentError
-from miles.interfaces import AgentResult, RolloutContext
+from miles.interfaces import RolloutContext
 from miles.types import Prompt, Sample, SamplingParams, Status
+from miles_envs.interfaces import AgentResult
 from miles_envs.rollout.agentic import as_agent_result
 
 

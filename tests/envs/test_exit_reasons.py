@@ -15,10 +15,11 @@ from miles.builtins.rollout.default import GroupRollout
 from miles.driver.generation import rollout_metrics
 from miles.engines.client import SGLangClient
 from miles.errors import ComponentError
-from miles.interfaces import AgentResult, AgentTask, BufferPolicy, RolloutContext
+from miles.interfaces import BufferPolicy, RolloutContext
 from miles.types import ExitReason, Group, Prompt, SamplingParams, Status
 from miles_envs.context import AgenticContext
 from miles_envs.families import get_family
+from miles_envs.interfaces import AgentResult, AgentTask
 from miles_envs.rewards import agent_reward
 from miles_envs.rollout.agentic import as_agent_result
 from miles_envs.session_server.app import ServerState

@@ -129,11 +129,21 @@ class NoOptions(ComponentOptions):
 
 # The kinds whose recipe options are handed to the component as one mapping rather than as its
 # keyword arguments: a rollout or generate function reads ``rollout.options`` (RolloutContext.options),
-# an agent its options mapping (AgentTask.options), a data source gets ``data.options`` as its
-# ``options`` argument, an engine kind ``engine.options`` in each EngineSpec. Their model describes
-# that mapping, and so does a tracker's (built as ``cls(ctx, options)``, miles.tracking.base); every
-# other kind's model describes the keyword arguments it is built with.
-MAPPING_OPTION_KINDS = frozenset({"rollout", "generate", "agent", "data_source", "engine", "tracker"})
+# a data source gets ``data.options`` as its ``options`` argument, an engine kind ``engine.options``
+# in each EngineSpec. Their model describes that mapping, and so does a tracker's (built as
+# ``cls(ctx, options)``, miles.tracking.base); every other kind's model describes the keyword
+# arguments it is built with. A plugin's kind says which with ``ComponentKind.options``.
+CORE_MAPPING_OPTION_KINDS = frozenset({"rollout", "generate", "data_source", "engine", "tracker"})
+
+
+def takes_options_as_mapping(kind: str) -> bool:
+    """Whether ``kind``'s recipe options reach its components as one mapping (not keyword arguments)."""
+    if kind in CORE_MAPPING_OPTION_KINDS:
+        return True
+    from miles._plugins.discovery import declared_kind
+
+    declared = declared_kind(kind)
+    return declared is not None and declared.options == "mapping"
 
 
 def declare_options(model: type[BaseModel]) -> Callable[[T], T]:

@@ -4,8 +4,10 @@ Two libraries, two jobs, no entry-point group read by both:
 
 * **stevedore decides what is imported.** A component (a backend, a loss, a reward...)
   is a named entry point in its kind's group (``miles.rewards``, ``miles.losses``, ...;
-  see ``KIND_GROUPS``) and is loaded by name, so selecting ``fsdp`` never imports
-  another backend. Anywhere a name is accepted, an import path ``package.module:attr``
+  see ``CORE_KIND_GROUPS``) and is loaded by name, so selecting ``fsdp`` never imports
+  another backend. A plugin adds kinds of its own (an agentic package's agents and tool
+  sets) by declaring a ``ComponentKind`` in the ``miles.kinds`` group; ``kind_groups()``
+  lists them all. Anywhere a name is accepted, an import path ``package.module:attr``
   is too (the colon is required).
 * **pluggy decides how loaded code is called.** Hook modules registered under the
   ``miles.plugins`` group implement the ``miles_*`` hookspecs (``miles.hookspecs``).
@@ -19,7 +21,8 @@ naming both, and a broken hook plugin is skipped with one warning (see
 from __future__ import annotations
 
 from miles._plugins.components import load_component, make_component, validate_component_ref
-from miles._plugins.discovery import HOOKS_GROUP, KIND_GROUPS, EntryPointInfo
+from miles._plugins.discovery import CORE_KIND_GROUPS, HOOKS_GROUP, EntryPointInfo, kind_groups
+from miles._plugins.kinds import KINDS_GROUP, ComponentKind
 from miles._plugins.listing import PluginInfo, list_plugins
 from miles._plugins.manager import (
     DISABLE_ENV,
@@ -34,16 +37,19 @@ from miles._plugins.manager import (
 
 __all__ = [
     "DISABLE_ENV",
+    "CORE_KIND_GROUPS",
     "HOOKS_GROUP",
-    "KIND_GROUPS",
+    "KINDS_GROUP",
     "STRICT_ENV",
     "BrokenPlugin",
+    "ComponentKind",
     "EntryPointInfo",
     "MilesPluginManager",
     "PluginInfo",
     "build_plugin_manager",
     "collect_config_sections",
     "get_plugin_manager",
+    "kind_groups",
     "list_plugins",
     "load_component",
     "make_component",

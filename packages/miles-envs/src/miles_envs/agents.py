@@ -16,7 +16,7 @@ from pydantic import Field
 
 from miles.capabilities import ComponentOptions, declare_options
 from miles.errors import ComponentError
-from miles.interfaces import AgentResult, AgentTask
+from miles_envs.interfaces import AgentResult, AgentTask
 from miles_envs.tools.calculator import run_tool_calls
 
 if TYPE_CHECKING:

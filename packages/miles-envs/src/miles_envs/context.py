@@ -15,7 +15,8 @@ from miles.capabilities import GenerateNeeds
 from miles.errors import ConfigError
 
 if TYPE_CHECKING:
-    from miles.interfaces import AgentFn, RolloutContext, ToolSet
+    from miles.interfaces import RolloutContext
+    from miles_envs.interfaces import AgentFn, ToolSet
 
 SECTION = "agentic"  # the recipe section (miles_envs.config.AgenticSection)
 SERVICE = "agentic"  # its key in RolloutContext.services

@@ -30,7 +30,6 @@ from miles.errors import ComponentError, ConfigError, MilesError
 if TYPE_CHECKING:
     from miles.interfaces import (
         AdvantageEstimator,
-        AgentFn,
         Backend,
         Buffer,
         Correction,
@@ -41,12 +40,11 @@ if TYPE_CHECKING:
         GroupFilter,
         Loss,
         RolloutFn,
-        ToolSet,
         Transport,
     )
 
 # The kinds whose made component is a plain callable (checked by ``_CALLED_WITH`` where listed).
-CallableKind = Literal["reward", "reward_postprocess", "filter", "session_matcher", "agent"]
+CallableKind = Literal["reward", "reward_postprocess", "filter"]
 
 # The protocol each kind of component satisfies once made (rewards and filters are plain callables).
 _PROTOCOLS: dict[str, str] = {
@@ -61,7 +59,6 @@ _PROTOCOLS: dict[str, str] = {
     "data_source": "DataSource",
     "engine": "EngineLauncher",
     "eval_backend": "EvalBackend",
-    "toolset": "ToolSet",
 }
 
 
@@ -69,8 +66,6 @@ _PROTOCOLS: dict[str, str] = {
 # itself (checked when it is made or called); for the others a class or a factory, so ``Any``.
 @overload
 def load_component(kind: Literal["generate"], ref: str) -> GenerateFn: ...
-@overload
-def load_component(kind: Literal["agent"], ref: str) -> AgentFn: ...
 @overload
 def load_component(kind: Literal["filter"], ref: str) -> GroupFilter: ...
 @overload
@@ -130,8 +125,6 @@ def make_component(
 def make_component(
     kind: Literal["eval_backend"], ref: str, options: dict[str, Any] | None = None
 ) -> EvalBackend: ...
-@overload
-def make_component(kind: Literal["toolset"], ref: str, options: dict[str, Any] | None = None) -> ToolSet: ...
 @overload
 def make_component(
     kind: CallableKind, ref: str, options: dict[str, Any] | None = None
@@ -195,7 +188,7 @@ def validate_component_ref(kind: str, ref: str) -> None:
 def error_on_conflict(namespace: str, name: str, extensions: list[Extension[Any]]) -> Extension[Any]:
     """stevedore ``conflict_resolver``: two entry points with one name is an error naming both distributions."""
     entries = [discovery.info_for(ext.entry_point) for ext in extensions]
-    kind = discovery.GROUP_KINDS.get(namespace, "hook plugin")
+    kind = "hook plugin" if namespace == discovery.HOOKS_GROUP else discovery.kind_for_group(namespace)
     raise ComponentError(discovery.conflict_message(f"{kind} {name!r}", entries))
 
 
@@ -348,9 +341,9 @@ def _import_path(kind: str, ref: str) -> Any:
 
 def _validated_options(kind: str, ref: str, cls: type, options: dict[str, Any]) -> dict[str, Any]:
     """A class that declares an options model is built with every field's validated value."""
-    from miles.capabilities import MAPPING_OPTION_KINDS, options_model
+    from miles.capabilities import options_model, takes_options_as_mapping
 
-    if kind in MAPPING_OPTION_KINDS:  # the model describes a mapping handed over whole, not the arguments
+    if takes_options_as_mapping(kind):  # the model describes a mapping handed over whole, not the arguments
         return options
     model = options_model(cls, f"{kind} {ref!r}")
     if model is None:
@@ -387,15 +380,12 @@ def _check_options(kind: str, ref: str, cls: type, options: dict[str, Any]) -> N
 
 
 def _check_protocol(kind: str, ref: str, obj: Any) -> None:
-    protocol_name = _PROTOCOLS.get(kind)
-    if protocol_name is None:
+    protocol, protocol_label = _protocol_for(kind)
+    if protocol is None:
         if not callable(obj):
             raise ComponentError(f"{kind} {ref!r} must be callable, got {type(obj).__name__}")
         _check_call_signature(kind, ref, obj)
         return
-    import miles.interfaces as interfaces  # plain dataclasses and Protocols: cheap
-
-    protocol = getattr(interfaces, protocol_name)
     if isinstance(obj, protocol):
         _check_call_signature(kind, ref, obj)
         return
@@ -403,8 +393,28 @@ def _check_protocol(kind: str, ref: str, obj: Any) -> None:
     missing = [m for m in members if not hasattr(obj, m)]
     raise ComponentError(
         f"{kind} {ref!r} ({type(obj).__module__}.{type(obj).__qualname__}) does not implement "
-        f"miles.interfaces.{protocol_name}: missing {', '.join(missing) or 'members'}"
+        f"{protocol_label}: missing {', '.join(missing) or 'members'}"
     )
+
+
+def _protocol_for(kind: str) -> tuple[type | None, str]:
+    """The Protocol a made ``kind`` component satisfies (``None``: a plain callable) and its dotted name."""
+    name = _PROTOCOLS.get(kind)
+    if name is not None:
+        import miles.interfaces as interfaces  # plain dataclasses and Protocols: cheap
+
+        return getattr(interfaces, name), f"miles.interfaces.{name}"
+    declared = discovery.declared_kind(kind)
+    if declared is None or declared.protocol is None:
+        return None, ""
+    module_name, _, attr = declared.protocol.partition(":")
+    try:
+        protocol = getattr(importlib.import_module(module_name), attr)
+    except Exception as err:
+        raise ComponentError(
+            f"the {kind} kind's protocol {declared.protocol!r} does not load: {type(err).__name__}: {err}"
+        ) from err
+    return protocol, f"{module_name}.{attr}"
 
 
 # The positional arguments the loop calls each callable kind with. A runtime-checkable
@@ -422,6 +432,9 @@ _CALLED_WITH: dict[str, tuple[str, ...]] = {
 def _check_call_signature(kind: str, ref: str, obj: Any) -> None:
     """Refuse a callable that cannot be called the way the loop calls a ``kind``: before the run, not mid-step."""
     args = _CALLED_WITH.get(kind)
+    if args is None:
+        declared = discovery.declared_kind(kind)
+        args = declared.called_with if declared is not None and declared.called_with else None
     if args is None:
         return
     try:

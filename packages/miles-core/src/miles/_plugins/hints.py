@@ -44,15 +44,13 @@ COMPONENTS: dict[tuple[str, str], Provider] = {
         for key in (
             ("generate", "multi_turn"),
             ("generate", "agentic"),
-            ("agent", "tool_agent"),
-            ("toolset", "calculator"),
             ("reward", "agent"),
-            ("session_matcher", "strict"),
-            ("session_matcher", "json_args"),
-            ("session_matcher", "loose"),
         )
     },
 }
+
+# Component kinds that a plugin declares (``miles.kinds``), for when that plugin is absent.
+KINDS: dict[str, Provider] = dict.fromkeys(("agent", "toolset", "session_matcher"), _ENVS)
 
 # Top-level recipe sections that a plugin contributes (``miles_config_sections``).
 SECTIONS: dict[str, Provider] = {"fsdp": _FSDP, "agentic": _ENVS}
@@ -94,6 +92,14 @@ def component_hint(kind: str, name: str) -> str | None:
     if provider is None or provider.distribution is None or _installed(provider.distribution):
         return None
     return f"{kind} {name!r} is not installed: {provider.command} (provides it: {provider.distribution})"
+
+
+def kind_hint(kind: str) -> str | None:
+    """Why the component kind ``kind`` is unknown, when a known plugin that is absent declares it."""
+    provider = KINDS.get(kind)
+    if provider is None or provider.distribution is None or _installed(provider.distribution):
+        return None
+    return f"component kind {kind!r} is declared by {provider.distribution}, which is not installed: {provider.command}"
 
 
 def section_hint(name: str) -> str | None:

@@ -70,7 +70,7 @@ def list_plugins(
     hooks = [e for e in entries if e.group == discovery.HOOKS_GROUP and e.name not in blocked]
     _check_hook_plugins(hooks, report)
     if check:
-        for group in discovery.KIND_GROUPS.values():
+        for group in discovery.kind_groups().values():
             _check_drivers(group, [e for e in entries if e.group == group], report)
 
     rows = []
@@ -96,13 +96,14 @@ def list_plugins(
 
 def _options_of(provided: list[discovery.EntryPointInfo]) -> dict[str, list[dict[str, str]]]:
     from miles.capabilities import options_model
-    from miles.config.options import OPTION_KINDS, option_fields
+    from miles.config.options import option_fields, option_kinds
     from miles.errors import MilesError
     from miles.plugins import load_component
 
     out: dict[str, list[dict[str, str]]] = {}
+    kinds = option_kinds()
     for e in sorted(provided, key=lambda e: (e.kind, e.name)):
-        if e.kind not in OPTION_KINDS:
+        if e.kind not in kinds:
             continue
         try:
             model = options_model(load_component(e.kind, e.name), f"{e.kind} {e.name!r}")

@@ -184,11 +184,11 @@ def config_json_schema(pm: pluggy.PluginManager | None = None) -> dict[str, Any]
 
 def installed_options_schemas() -> dict[str, dict[str, Any]]:
     from miles._plugins.discovery import group_for, names
-    from miles.config.options import OPTION_KINDS, component_options_schema
+    from miles.config.options import component_options_schema, option_kinds
     from miles.errors import MilesError
 
     out: dict[str, dict[str, Any]] = {}
-    for kind in OPTION_KINDS:
+    for kind in option_kinds():
         group = group_for(kind)
         found: dict[str, Any] = {}
         for name in sorted(names(group)):

@@ -77,8 +77,9 @@ def origin_of(config: object) -> RecipeOrigin | None:
 
 # ------------------------------------------------------------------ the options of a recipe
 
-# The kinds a recipe gives options to (``option_slots``); the listing and the schema show theirs.
-OPTION_KINDS = (
+# The core's kinds a recipe gives options to (``option_slots``); ``option_kinds()`` adds the kinds
+# plugins declare (``miles.kinds``). The listing and the schema show their options.
+CORE_OPTION_KINDS = (
     "data_source",
     "rollout",
     "generate",
@@ -90,11 +91,15 @@ OPTION_KINDS = (
     "transport",
     "engine",
     "eval_backend",
-    "toolset",
     "tracker",
-    "agent",
-    "session_matcher",
 )
+
+
+def option_kinds() -> tuple[str, ...]:
+    """Every kind a recipe gives options to: the core's, then each kind a plugin declares."""
+    from miles._plugins.discovery import declared_kinds
+
+    return (*CORE_OPTION_KINDS, *declared_kinds())
 
 
 @dataclass(frozen=True)
@@ -455,7 +460,8 @@ def component_options_schema(kind: str, ref: str) -> dict[str, Any] | None:
 
 
 __all__ = [
-    "OPTION_KINDS",
+    "CORE_OPTION_KINDS",
+    "option_kinds",
     "OptionField",
     "OptionSlot",
     "RecipeOrigin",

@@ -25,8 +25,8 @@ from pydantic import Field, ValidationError
 
 from miles.capabilities import ComponentOptions, declare_options
 from miles.errors import ConfigError
-from miles.interfaces import AgentResult, AgentTask
 from miles.types import ExitReason
+from miles_envs.interfaces import AgentResult, AgentTask
 
 _OBSERVATION_BASE = {"done", "reward", "metadata"}
 

@@ -23,9 +23,10 @@ from typing import Any
 
 from miles.capabilities import NoOptions, declare_needs, declare_options
 from miles.errors import ComponentError, ConfigError
-from miles.interfaces import AgentResult, AgentTask, RolloutContext
+from miles.interfaces import RolloutContext
 from miles.types import INFRA_EXIT_REASONS, ExitReason, Sample, SamplingParams, Status
 from miles_envs.context import AgenticNeeds, agentic_context
+from miles_envs.interfaces import AgentResult, AgentTask
 from miles_envs.rewards import AGENT_REWARD
 from miles_envs.rollout.episodes import episode_samples, prompt_messages
 

@@ -25,8 +25,8 @@ from pydantic import Field, ValidationError
 
 from miles.capabilities import ComponentOptions, declare_options
 from miles.errors import ComponentError, ConfigError
-from miles.interfaces import AgentResult, AgentTask
 from miles.types import ExitReason
+from miles_envs.interfaces import AgentResult, AgentTask
 from miles_envs.sandbox.base import SandboxError, SandboxLimits, SandboxProvider, SandboxSpec
 from miles_envs.sandbox.registry import make_provider
 from miles_envs.terminal.data import ENV_KEY, TASK_KEY

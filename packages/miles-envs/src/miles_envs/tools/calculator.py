@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from miles.capabilities import NoOptions
 from miles.errors import ToolError
-from miles.interfaces import ToolSet
+from miles_envs.interfaces import ToolSet
 
 _BINARY = {
     ast.Add: operator.add,
