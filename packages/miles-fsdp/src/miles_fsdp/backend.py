@@ -50,6 +50,10 @@ _WHILE_OFFLOADED = frozenset({"offload", "onload"})
 class FSDPBackend:
     """``miles.interfaces.Backend`` on PyTorch FSDP2; options come from the ``train`` and ``fsdp`` sections."""
 
+    # Multi-LoRA (lora.adapters): one peft model holding every adapter, an optimizer per adapter,
+    # each step's batch split by Sample.metadata[ADAPTER_KEY] (see miles.driver.adapters).
+    trains_adapters = True
+
     def __init__(self) -> None:
         self._ranks: RankGroup | None = None
         self._finalizer: weakref.finalize | None = None
@@ -58,6 +62,7 @@ class FSDPBackend:
         self.train_opts: TrainSection | None = None
         self.opts: FSDPOptions | None = None
         self._kind: str | None = None
+        self._adapters: list[str] = []
 
     # ----------------------------------------------------------------- set-up
 
@@ -106,7 +111,9 @@ class FSDPBackend:
 
         lora_opts = lora.section(spec.config)
         if lora_opts is not None:
-            lora.check_targets(spec.model_path, lora_opts)  # on the meta device: nothing is loaded
+            for name, shape in lora_opts.named().items():  # on the meta device: nothing is loaded
+                field = f"lora.adapters.{name}.target_modules" if lora_opts.multi else "lora.target_modules"
+                lora.check_targets(spec.model_path, shape, field)
         if spec.engine_urls:
             from miles.plugins import make_component
 
@@ -117,6 +124,8 @@ class FSDPBackend:
         self.spec = spec
         self._offloaded = False
         self._kind = None
+        # Multi-LoRA: the adapters, in the recipe's order (each step trains those the batch has rows of).
+        self._adapters = list(lora_opts.named()) if lora_opts is not None and lora_opts.multi else []
         if self._finalizer is not None:  # a group that failed earlier: already stopped
             self._finalizer.detach()
         if launcher == "ray":
@@ -158,6 +167,8 @@ class FSDPBackend:
         """
         assert self.opts is not None and self.train_opts is not None
         check_batch(batch)
+        if self._adapters:
+            return self._train_adapters(batch)
         parts = mini_batches(len(batch.samples), self.train_opts.steps_per_rollout)
         if len(parts) == 1:
             shares = split_batch(
@@ -201,6 +212,39 @@ class FSDPBackend:
         out["train/tokens_per_s"] = out["train/num_tokens"] / max(time.perf_counter() - t0, 1e-9)
         return out
 
+    def _train_adapters(self, batch: TrainBatch) -> dict[str, float]:
+        """Multi-LoRA: each adapter's rows of the batch are one optimizer step of that adapter alone
+        (its loss normalised over its own tokens and samples, its own clipping, optimizer and rate)."""
+        assert self.opts is not None and self.train_opts is not None
+        t0 = time.perf_counter()
+        per_rank: list[list[tuple[str, Any]]] = [[] for _ in range(self.opts.num_ranks)]
+        for name, indices in adapter_rows(batch.samples, self._adapters).items():
+            part = sub_batch(batch, indices)
+            if part.num_loss_tokens == 0:
+                log.warning("fsdp: step %d: adapter %r has no loss token; it takes no step", batch.step, name)
+                continue
+            shares = split_batch(
+                part,
+                self.opts.num_ranks,
+                self.train_opts.micro_batch_size,
+                max_tokens=self.opts.max_tokens_per_gpu,
+            )
+            for rank_parts, share in zip(per_rank, shares, strict=True):
+                rank_parts.append((name, share))
+        out = dict(self._run("train_adapters", per_rank)[0])
+        stepped = [name for name, _ in per_rank[0]]
+        for name in self._adapters:
+            out[f"lora/{name}/stepped"] = float(name in stepped)
+        out["train/optimizer_steps"] = float(len(stepped))
+        for key in ("train/loss", "train/num_loss_tokens", "train/num_tokens"):
+            out[key] = sum(out.get(f"lora/{name}/{key}", 0.0) for name in stepped)
+        out["train/tokens_per_s"] = out["train/num_tokens"] / max(time.perf_counter() - t0, 1e-9)
+        return out
+
+    def unsent_adapters(self) -> list[str]:
+        """Multi-LoRA: the adapters the next weight update sends (trained since the last one)."""
+        return list(self._run("unsent_adapters", self._same(None))[0])
+
     def _loss_kind(self) -> str:
         """The policy loss's kind, as the ranks built it (the driver never builds the loss itself:
         a loss may register rank-side hooks when it is made)."""
@@ -213,10 +257,24 @@ class FSDPBackend:
         assert self.opts is not None and self.train_opts is not None
         if not names or not samples:
             return {name: [] for name in names}
+        if self._adapters:  # multi-LoRA: each adapter scores its own rows
+            out: dict[str, list[list[float]]] = {name: [[] for _ in samples] for name in names}
+            for adapter, indices in adapter_rows(samples, self._adapters).items():
+                part = self._score([samples[i] for i in indices], names, adapter)
+                for name in names:
+                    for i, row in zip(indices, part[name], strict=True):
+                        out[name][i] = row
+            return out
+        return self._score(samples, names, None)
+
+    def _score(
+        self, samples: list[Sample], names: list[str], adapter: str | None
+    ) -> dict[str, list[list[float]]]:
+        assert self.opts is not None and self.train_opts is not None
         shares, layout = split_for_scoring(
             samples, self.opts.num_ranks, self.train_opts.micro_batch_size, self.opts.max_tokens_per_gpu
         )
-        results = self._run("score", [(share, list(names)) for share in shares])
+        results = self._run("score", [(share, list(names), adapter) for share in shares])
         out: dict[str, list[list[float]]] = {name: [[] for _ in samples] for name in names}
         for rank_layout, rank_result in zip(layout, results, strict=True):
             for mb_indices, mb_rows in zip(rank_layout, rank_result, strict=True):
@@ -341,6 +399,24 @@ def combine_step_metrics(results: list[tuple[dict[str, float], int]]) -> dict[st
         if key in first:
             out[key] = first[key]
     return out
+
+
+def adapter_rows(samples: list[Sample], adapters: list[str]) -> dict[str, list[int]]:
+    """Multi-LoRA: the batch's sample indices of each adapter (``Sample.metadata[ADAPTER_KEY]``), in
+    ``adapters`` order, only adapters with rows; a sample naming no adapter of the run is refused."""
+    from miles.config.schema import ADAPTER_KEY
+    from miles.errors import ComponentError
+
+    rows: dict[str, list[int]] = {name: [] for name in adapters}
+    for i, sample in enumerate(samples):
+        name = sample.metadata.get(ADAPTER_KEY)
+        if name not in rows:
+            raise ComponentError(
+                f"sample {i} (prompt {sample.prompt.index}) names LoRA adapter {name!r} "
+                f"(metadata[{ADAPTER_KEY!r}]); this run trains {adapters}"
+            )
+        rows[name].append(i)
+    return {name: indices for name, indices in rows.items() if indices}
 
 
 def _offload_metrics(results: list[dict[str, float]], what: str) -> dict[str, float]:

@@ -9,6 +9,7 @@ passes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -162,7 +163,7 @@ def mini_batches(num_samples: int, steps: int) -> list[range]:
     return out
 
 
-def sub_batch(batch: TrainBatch, indices: range) -> TrainBatch:
+def sub_batch(batch: TrainBatch, indices: Sequence[int]) -> TrainBatch:
     """The samples ``indices`` of ``batch`` as a batch of their own (one optimizer step's data)."""
     return TrainBatch(
         samples=[batch.samples[i] for i in indices],

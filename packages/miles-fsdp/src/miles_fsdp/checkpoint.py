@@ -15,7 +15,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -59,6 +59,18 @@ class Trainable:
     scheduler: Any
     # LoRA: only the trainable (adapter) parameters and their optimizer state are saved and loaded.
     trainable_only: bool = False
+    # Multi-LoRA: more (name, optimizer, scheduler) over other parameters of the same model (one per
+    # adapter), saved and restored with it; their scheduler states and started flags go under name.
+    more: list[tuple[str, torch.optim.Optimizer, Any]] = field(default_factory=list)
+
+    def steppers(self) -> list[tuple[str, torch.optim.Optimizer, Any]]:
+        """Every (state key, optimizer, scheduler) of this part: its own first, then ``more``."""
+        own = (_scheduler_key(self), self.optimizer, self.scheduler)
+        return [own, *((f"{own[0]}/{n}", o, sch) for n, o, sch in self.more)]
+
+    @property
+    def all_optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+        return self.optimizer if not self.more else [o for _, o, _ in self.steppers()]
 
     @property
     def options(self) -> StateDictOptions | None:
@@ -77,16 +89,18 @@ def save(directory: str, parts: list[Trainable], extra: dict[str, Any]) -> None:
     for part in parts:
         # get_state_dict materialises Adam's state with a zero-lr step when none exists yet; remember
         # that, so a checkpoint taken before the first step resumes with no state, as a fresh run would.
-        started[part.name] = bool(part.optimizer.state)
+        for key, optimizer, scheduler in part.steppers():
+            started[_started_key(part, key)] = bool(optimizer.state)
+            state[key] = scheduler.state_dict()
         model_key, optim_key = part.keys
         to_save[model_key], to_save[optim_key] = get_state_dict(
-            part.model, part.optimizer, options=part.options
+            part.model, part.all_optimizers, options=part.options
         )
-        state[_scheduler_key(part)] = part.scheduler.state_dict()
     dcp.save(to_save, checkpoint_id=os.path.join(directory, "dcp"))
     for part in parts:
-        if not started[part.name]:
-            part.optimizer.state.clear()
+        for key, optimizer, _ in part.steppers():
+            if not started[_started_key(part, key)]:
+                optimizer.state.clear()
     state["optimizer_started"] = started
     os.makedirs(os.path.join(directory, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(directory, "rng", f"rank{rank}.pt"))
@@ -105,7 +119,7 @@ def load(directory: str, parts: list[Trainable]) -> dict[str, Any]:
         raise FileNotFoundError(f"{directory} is not an FSDP checkpoint: {STATE_FILE} is missing")
     with open(state_path) as f:
         state = json.load(f)
-    missing = [part.name for part in parts if _scheduler_key(part) not in state]
+    missing = [key for part in parts for key, _, _ in part.steppers() if key not in state]
     if missing:
         raise ModelError(
             f"checkpoint {directory} has no state for {missing} (it was written by a run without them, "
@@ -115,7 +129,7 @@ def load(directory: str, parts: list[Trainable]) -> dict[str, Any]:
     for part in parts:
         model_key, optim_key = part.keys
         to_load[model_key], to_load[optim_key] = get_state_dict(
-            part.model, part.optimizer, options=part.options
+            part.model, part.all_optimizers, options=part.options
         )
     dcp.load(to_load, checkpoint_id=os.path.join(directory, "dcp"))
     started = state.get("optimizer_started", {})
@@ -123,14 +137,15 @@ def load(directory: str, parts: list[Trainable]) -> dict[str, Any]:
         model_key, optim_key = part.keys
         set_state_dict(
             part.model,
-            part.optimizer,
+            part.all_optimizers,
             model_state_dict=to_load[model_key],
             optim_state_dict=to_load[optim_key],
             options=part.options,
         )
-        if not started.get(part.name, True):
-            part.optimizer.state.clear()
-        part.scheduler.load_state_dict(state[_scheduler_key(part)])
+        for key, optimizer, scheduler in part.steppers():
+            if not started.get(_started_key(part, key), True):
+                optimizer.state.clear()
+            scheduler.load_state_dict(state[key])
     rng_path = os.path.join(directory, "rng", f"rank{dist.get_rank()}.pt")
     # RNG streams are per rank; with a different rank count they cannot be matched, so keep fresh ones.
     if state.get("world_size") == dist.get_world_size() and os.path.isfile(rng_path):
@@ -147,13 +162,39 @@ def apply_hyperparameters(
     The scheduler keeps its step count; its base learning rate and schedule become ``lr``
     and ``lr_lambda``, and each parameter group's learning rate is recomputed from them.
     """
-    scheduler = part.scheduler
-    scheduler.base_lrs = [lr for _ in part.optimizer.param_groups]
-    scheduler.lr_lambdas = [lr_lambda for _ in part.optimizer.param_groups]
+    set_hyperparameters(
+        part.optimizer,
+        part.scheduler,
+        lr=lr,
+        lr_lambda=lr_lambda,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+    )
+
+
+def set_hyperparameters(
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    lr: float,
+    lr_lambda: Any,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """:func:`apply_hyperparameters` for one optimizer and its scheduler."""
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    scheduler.lr_lambdas = [lr_lambda for _ in optimizer.param_groups]
     factor = lr_lambda(max(scheduler.last_epoch, 0))
-    for group in part.optimizer.param_groups:
+    for group in optimizer.param_groups:
         group.update(initial_lr=lr, lr=lr * factor, betas=betas, eps=eps, weight_decay=weight_decay)
-    scheduler._last_lr = [group["lr"] for group in part.optimizer.param_groups]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _started_key(part: Trainable, key: str) -> str:
+    """``optimizer_started``'s key: the part's name (as before), ``<name>/<sub>`` for ``more``."""
+    return part.name + key[len(_scheduler_key(part)) :]
 
 
 def _scheduler_key(part: Trainable) -> str:

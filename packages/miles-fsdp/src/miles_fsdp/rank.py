@@ -95,10 +95,28 @@ class RankTrainer:
         if self.opts.logprob_projection == "chunked":
             check_projectable(trained, "policy")
         self.model = shard(trained, self.mesh, self.opts, "policy")
-        self.optimizer, self.scheduler = self._optimizer(self.model, self.train_opts.lr)
+        # Each adapter's name on the engines -> its name in the peft model (empty: full training).
+        self.adapters = lora_mod.peft_names(self.lora) if self.lora is not None else {}
+        # Multi-LoRA: one optimizer (and schedule) per adapter, over that adapter's parameters only.
+        self.steppers: dict[str, tuple[torch.optim.Optimizer, Any]] = {}
+        if self.lora is not None and self.lora.multi:
+            for name, shape in self.lora.named().items():
+                params = [p for _, p in lora_mod.adapter_parameters(self.model, self.adapters[name])]
+                self.steppers[name] = self._optimizer(self.model, self._adapter_lr(shape), params)
+            (self.optimizer, self.scheduler), *_ = self.steppers.values()
+        else:
+            self.optimizer, self.scheduler = self._optimizer(self.model, self.train_opts.lr)
+        # Adapters whose tensors changed since the engines last received them (multi-LoRA sends only those).
+        self._unsent: set[str] = set()
+        more = [(name, opt, sch) for name, (opt, sch) in list(self.steppers.items())[1:]]
         self.parts = [
             checkpoint.Trainable(
-                "model", self.model, self.optimizer, self.scheduler, trainable_only=self.lora is not None
+                "model",
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                trainable_only=self.lora is not None,
+                more=more,
             )
         ]
 
@@ -137,15 +155,22 @@ class RankTrainer:
 
     # ------------------------------------------------------------------ build
 
-    def _optimizer(self, model: nn.Module, lr: float) -> tuple[torch.optim.Optimizer, Any]:
+    def _optimizer(
+        self, model: nn.Module, lr: float, params: list[nn.Parameter] | None = None
+    ) -> tuple[torch.optim.Optimizer, Any]:
         opts = self.train_opts
         # Frozen parameters (a LoRA run's base) get no optimizer state.
-        params = [p for p in model.parameters() if p.requires_grad]
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             params, lr=lr, betas=opts.betas, eps=opts.eps, weight_decay=opts.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_lambda())
         return optimizer, scheduler
+
+    def _adapter_lr(self, shape: Any) -> float:
+        lr = getattr(shape, "lr", None)
+        return self.train_opts.lr if lr is None else float(lr)
 
     def _lr_lambda(self) -> Callable[[int], float]:
         # The schedule counts optimizer steps (steps_per_rollout of them per driver step).
@@ -202,36 +227,52 @@ class RankTrainer:
             raise ComponentError(
                 f"transport {self.spec.transport!r} cannot carry a LoRA adapter; use broadcast or colocated"
             )
-        carry(self.lora.name)
-        directory = os.path.join(_run_dir(self.spec.config), "lora", f"{self.lora.name}-initial")
-        lora_mod.save_adapter(directory, self.model, self.lora, self.spec.model_path, write=self.rank == 0)
-        if self.rank == 0:
-            from miles.engines.client import SyncEngineClient
+        carry(next(iter(self.adapters)))  # multi-LoRA refuses the weight check, which this scopes
+        root = _run_dir(self.spec.config)
+        for name, peft_adapter in self.adapters.items():
+            directory = os.path.join(root, "lora", f"{name}-initial")
+            lora_mod.save_adapter(
+                directory, self.model, self.spec.model_path, write=self.rank == 0, peft_adapter=peft_adapter
+            )
+            if self.rank == 0:
+                from miles.engines.client import SyncEngineClient
 
-            for url in self.spec.engine_urls:
-                with SyncEngineClient(url) as client:
-                    client.load_lora_adapter(self.lora.name, directory)
+                for url in self.spec.engine_urls:
+                    with SyncEngineClient(url) as client:
+                        client.load_lora_adapter(name, directory)
         dist.barrier()
 
     def optimizer_state_bytes(self, _: None = None) -> int:
         """Bytes of this rank's policy optimizer state (AdamW moments: only the adapter's under LoRA)."""
+        optimizers = [o for o, _ in self.steppers.values()] or [self.optimizer]
         return sum(
             t.numel() * t.element_size()
-            for state in self.optimizer.state.values()
+            for optimizer in optimizers
+            for state in optimizer.state.values()
             for t in state.values()
             if isinstance(t, torch.Tensor) and t.dim() > 0
         )
 
     def _weight_stream(self) -> Any:
+        if self.steppers:  # multi-LoRA: only the adapters that changed since the last update
+            sent = {name: peft for name, peft in self.adapters.items() if name in self._unsent}
+            self._unsent.clear()
+            return lora_mod.iter_adapter_tensors(self.model, sent)
         if self.lora is not None:
-            return lora_mod.iter_adapter_tensors(self.model, self.lora.name)
+            return lora_mod.iter_adapter_tensors(self.model, self.adapters)
         return iter_full_tensors(self.model)
+
+    def unsent_adapters(self, _: None = None) -> list[str]:
+        """Multi-LoRA: the adapters the next weight update will send (those trained since the last)."""
+        return [name for name in self.adapters if name in self._unsent]
 
     # ---------------------------------------------------------------- scoring
 
-    def score(self, args: tuple[RankBatch, list[str]]) -> list[list[dict[str, list[float]]]]:
+    def score(self, args: tuple[Any, ...]) -> list[list[dict[str, list[float]]]]:
         """Forward-only passes: per micro-batch, per row, the named per-token signals."""
-        batch, names = args
+        batch, names, *adapter = args
+        if adapter and adapter[0] is not None:  # multi-LoRA: these rows are this adapter's
+            lora_mod.activate(self.model, self.adapters[adapter[0]])
         unknown = [
             n
             for n in names
@@ -281,11 +322,32 @@ class RankTrainer:
     # ------------------------------------------------------------------- step
 
     def train_step(self, batch: RankBatch) -> dict[str, float]:
+        return self._train(batch, self.optimizer, self.scheduler, with_critic=True)
+
+    def train_adapters(self, parts: list[tuple[str, RankBatch]]) -> dict[str, float]:
+        """Multi-LoRA: one optimizer step of each adapter on its rows of the step's batch.
+
+        Each adapter's rows run with only that adapter active, so its gradient is what training it
+        alone on those rows gives; adapters with no rows in the batch take no step and are not sent.
+        Every rank gets the same adapters in the same order (the backend splits the batch so).
+        """
+        out: dict[str, float] = {}
+        for name, batch in parts:
+            lora_mod.activate(self.model, self.adapters[name])
+            optimizer, scheduler = self.steppers[name]
+            metrics = self._train(batch, optimizer, scheduler, with_critic=False)
+            self._unsent.add(name)
+            out |= {f"lora/{name}/{k}": v for k, v in metrics.items()}
+        return out
+
+    def _train(
+        self, batch: RankBatch, optimizer: torch.optim.Optimizer, scheduler: Any, *, with_critic: bool
+    ) -> dict[str, float]:
         self._sync()
         t0 = time.perf_counter()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
         acc = _MetricSums()
         loss_total = 0.0
         entropy_sum = 0.0
@@ -303,14 +365,14 @@ class RankTrainer:
         self._sync()
         t_fb = time.perf_counter()
         grad_norm = self._clip_grads(self.model)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         self._sync()
         t_opt = time.perf_counter()
 
         critic_metrics: dict[str, float] = {}
-        if self.critic is not None:
+        if self.critic is not None and with_critic:
             critic_metrics = self._critic_step(batch, acc)
             self._sync()
             critic_metrics["time/train_step/critic_s"] = time.perf_counter() - t_opt
@@ -516,6 +578,7 @@ class RankTrainer:
         self.model.eval()
         if self.transport is None:
             # No engines to feed, but every rank still drains in step with the others.
+            self._unsent.clear()
             return TransportStats(bytes_sent=0, seconds=0.0, buckets=0, version=version)
         with torch.no_grad():
             stats = self.transport.send(self._weight_stream(), version)
@@ -539,6 +602,7 @@ class RankTrainer:
         if self.lora is not None:
             extra["lora"] = {
                 "name": self.lora.name,
+                "adapters": list(self.adapters),
                 "base": lora_mod.base_reference(self.spec.model_path) if self.rank == 0 else None,
             }
         checkpoint.save(directory, self.parts, extra)
@@ -548,6 +612,20 @@ class RankTrainer:
         # The optimizer and scheduler states carry the hyperparameters of the run that saved them;
         # a resumed run trains with the ones its recipe says now.
         opts = self.train_opts
+        if self.lora is not None and self.lora.multi:
+            shapes = self.lora.named()
+            for name, (optimizer, scheduler) in self.steppers.items():
+                checkpoint.set_hyperparameters(
+                    optimizer,
+                    scheduler,
+                    lr=self._adapter_lr(shapes[name]),
+                    lr_lambda=self._lr_lambda(),
+                    betas=opts.betas,
+                    eps=opts.eps,
+                    weight_decay=opts.weight_decay,
+                )
+            self._unsent = set(self.adapters)  # the engines hold the initial adapters: send them all
+            return
         for part in self.parts:
             lr = opts.lr if part.name == "model" else self.spec.critic.lr  # type: ignore[union-attr]
             checkpoint.apply_hyperparameters(
@@ -561,10 +639,16 @@ class RankTrainer:
 
     def export_hf(self, directory: str) -> None:
         if self.lora is not None:
-            # A peft adapter directory (plus the base's tokenizer), not a merged model.
-            lora_mod.save_adapter(
-                directory, self.model, self.lora, self.spec.model_path, write=self.rank == 0
-            )
+            # A peft adapter directory (plus the base's tokenizer), not a merged model; multi-LoRA:
+            # one per adapter, in <directory>/<name>/.
+            for name, peft_adapter in self.adapters.items():
+                lora_mod.save_adapter(
+                    lora_mod.adapter_dir(directory, self.lora, name),
+                    self.model,
+                    self.spec.model_path,
+                    write=self.rank == 0,
+                    peft_adapter=peft_adapter,
+                )
             if self.rank == 0:
                 checkpoint.copy_tokenizer_files(self.spec.model_path, directory)
             dist.barrier()

@@ -29,6 +29,8 @@ from miles.interfaces import BackendSpec
 TRAINER_COMMANDS = frozenset(
     {
         "train_step",
+        "train_adapters",
+        "unsent_adapters",
         "score",
         "loss_kind",
         "update_weights",

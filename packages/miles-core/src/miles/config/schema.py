@@ -284,14 +284,15 @@ class TrainSection(Section):
         return self
 
 
-class LoraSection(Section):
-    """Train a LoRA adapter instead of every parameter (``peft``); the base stays frozen and resident."""
+_ADAPTER_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
+# Multi-LoRA: the key of ``Sample.metadata`` that names the adapter a sample was generated with and
+# trains (set by the driver's adapter rollout; read by backends that train several adapters).
+ADAPTER_KEY = "lora_adapter"
 
-    name: str = Field(
-        "default",
-        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
-        description="the adapter's name: engines serve it under this name (SGLang's lora_path)",
-    )
+
+class LoraShape(Section):
+    """An adapter's shape: rank, scale, dropout and the modules it adapts."""
+
     rank: int = Field(16, description="LoRA rank r (> 0)")
     alpha: float = Field(32.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input while training")
@@ -307,6 +308,83 @@ class LoraSection(Section):
         if v <= 0:
             raise ValueError(f"lora.rank must be > 0, got {v}")
         return v
+
+
+class LoraAdapter(LoraShape):
+    """One adapter of a multi-LoRA run: its shape and what it trains on (defaults: the run's own)."""
+
+    lr: float | None = Field(None, gt=0, description="its learning rate (default: train.lr)")
+    data: DataSection | None = Field(None, description="its prompts (default: the run's data section)")
+    reward: str | None = Field(None, description="its reward name or import path (default: rollout.reward)")
+    reward_options: dict[str, Any] | None = Field(
+        None, description="its reward's options (default: rollout.reward_options)"
+    )
+    prompts_per_step: int | None = Field(
+        None, ge=1, description="its prompts in each step's batch (default: rollout.prompts_per_step)"
+    )
+    num_steps: int | None = Field(
+        None,
+        ge=0,
+        description="it trains on steps 0..num_steps-1, then stays as it is (default: run.num_steps)",
+    )
+
+
+class LoraSection(LoraShape):
+    """Train a LoRA adapter instead of every parameter (``peft``); the base stays frozen and resident.
+
+    ``adapters`` trains several at once against the one base (multi-LoRA): each names its own
+    shape, data, reward, learning rate and step count, and the top-level shape fields are unused.
+    """
+
+    name: str = Field(
+        "default",
+        pattern=_ADAPTER_NAME,
+        description="the adapter's name: engines serve it under this name (SGLang's lora_path)",
+    )
+    adapters: dict[str, LoraAdapter] | None = Field(
+        None,
+        description="multi-LoRA: several adapters by name, each with its own data, reward, lr and steps",
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> LoraSection:
+        if self.adapters is None:
+            return self
+        if not self.adapters:
+            raise ValueError("lora.adapters is empty; name at least one adapter (or use the single form)")
+        # A dumped config carries every field: only values other than the defaults are a mistake.
+        defaults = LoraSection()
+        shared = sorted(
+            k for k in ("name", *LoraShape.model_fields) if getattr(self, k) != getattr(defaults, k)
+        )
+        if shared:
+            raise ValueError(
+                f"lora.adapters is set, so lora.{shared[0]} has no effect; give each adapter its own "
+                f"{', '.join(shared)} under lora.adapters.<name>"
+            )
+        import re
+
+        bad = [n for n in self.adapters if not re.fullmatch(r"[A-Za-z0-9_-]+", n)]
+        if bad:
+            raise ValueError(f"lora.adapters: names {bad} must be letters, digits, _ or - (no dots)")
+        # peft finds an adapter's tensors by name; one inside "lora_" would be mistaken for others.
+        clash = [n for n in self.adapters if n in "lora_"]
+        if clash:
+            raise ValueError(
+                f"lora.adapters: names {clash} are part of 'lora_' (peft's prefix); choose others"
+            )
+        return self
+
+    @property
+    def multi(self) -> bool:
+        """Several adapters (``adapters``), rather than the single-adapter form."""
+        return self.adapters is not None
+
+    def named(self) -> dict[str, LoraShape]:
+        """Every adapter the run trains, by its name on the engines (the single form: one)."""
+        if self.adapters is not None:
+            return dict(self.adapters)
+        return {self.name: LoraShape.model_validate(self.model_dump(include=set(LoraShape.model_fields)))}
 
 
 class WeightSyncSection(Section):
