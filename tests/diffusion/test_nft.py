@@ -64,10 +64,10 @@ def test_a_train_step_fits_positive_samples_better_and_negative_ones_worse() -> 
 
     def errors() -> torch.Tensor:
         with torch.no_grad():
-            return sum(
-                flow_matching_error(model, images, traj.prompts, n, t)
-                for n, t in zip(noises, levels, strict=True)
-            )
+            pairs = zip(noises, levels, strict=True)
+            return torch.stack(
+                [flow_matching_error(model, images, traj.prompts, n, t) for n, t in pairs]
+            ).sum(0)
 
     before = errors()
     trainer = DiffusionNFTTrainer(

@@ -15,6 +15,8 @@ import torch
 from diffusers import UNet2DModel
 from torch import nn
 
+from miles_diffusion.precision import PrecisionConfig, keep_fp32
+
 # UNet2DModel expects timesteps on the scale diffusion schedulers use (0..1000).
 TIMESTEP_SCALE = 1000.0
 
@@ -34,9 +36,10 @@ class TinyFlowModelConfig:
 class FlowModel(nn.Module):
     """Velocity predictor ``v(x_t, t, prompt)`` over a diffusers UNet with a prompt-embedding table."""
 
-    def __init__(self, config: TinyFlowModelConfig) -> None:
+    def __init__(self, config: TinyFlowModelConfig, precision: PrecisionConfig | None = None) -> None:
         super().__init__()
         self.config = config
+        self.precision = precision or PrecisionConfig()
         depth = len(config.block_out_channels)
         # cast: diffusers' ModelMixin is not seen as an nn.Module by mypy.
         self.unet = cast(
@@ -53,19 +56,31 @@ class FlowModel(nn.Module):
                 num_class_embeds=config.num_prompts,
             ),
         )
+        self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
+        """Modules computed in FP32 while the rest runs at ``precision.compute_dtype``."""
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
-        """``x_t``: [B, C, H, W]; ``t``: [B] in [0, 1]; ``prompts``: [B] int ids. Returns v, [B, C, H, W]."""
-        out = self.unet(x_t, t * TIMESTEP_SCALE, class_labels=prompts, return_dict=False)[0]
+        """``x_t``: [B, C, H, W]; ``t``: [B] in [0, 1]; ``prompts``: [B] int ids. Returns v, [B, C, H, W].
+
+        Under a BF16/FP16 ``precision`` the UNet runs under autocast (FP32 parameters, the named FP32
+        modules outside it) and v comes back as FP32."""
+        if self.precision.dtype is torch.float32:
+            out = self.unet(x_t, t * TIMESTEP_SCALE, class_labels=prompts, return_dict=False)[0]
+        else:
+            with torch.autocast(device_type=x_t.device.type, dtype=self.precision.dtype):
+                out = self.unet(x_t, t * TIMESTEP_SCALE, class_labels=prompts, return_dict=False)[0]
+            out = out.float()
         assert isinstance(out, torch.Tensor)
         return out
 
 
-def build_tiny_model(config: TinyFlowModelConfig, seed: int) -> FlowModel:
+def build_tiny_model(
+    config: TinyFlowModelConfig, seed: int, precision: PrecisionConfig | None = None
+) -> FlowModel:
     """Random weights, reproducible from ``seed`` (the global RNG is left as it was)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return FlowModel(config)
+        return FlowModel(config, precision)
 
 
 def forward_noise(images: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

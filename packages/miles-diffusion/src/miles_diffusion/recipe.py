@@ -18,6 +18,7 @@ from miles_diffusion.datasets import ShapesDatasetConfig
 from miles_diffusion.flow_grpo import FlowGRPOConfig
 from miles_diffusion.model import TinyFlowModelConfig
 from miles_diffusion.objectives import ObjectiveConfig, TrainerConfig, objective_config
+from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.sampler import SamplerConfig
 
 EVIDENCE_LEVELS = ("fully gated", "proxy gated", "verified", "not verified")
@@ -48,6 +49,8 @@ class DiffusionRecipe:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dataset: ShapesDatasetConfig | None = None
     """The given images a supervised objective trains on."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Compute dtype of the model's forward and the modules kept in FP32 (default: all FP32)."""
 
     def __post_init__(self) -> None:
         if self.evidence_level not in EVIDENCE_LEVELS:
@@ -71,6 +74,7 @@ _SECTIONS: dict[str, type] = {
     "reward": RewardSpec,
     "trainer": TrainerConfig,
     "dataset": ShapesDatasetConfig,
+    "precision": PrecisionConfig,
 }
 _NULLABLE = ("reward", "dataset")
 DEFAULT_OBJECTIVE = FlowGRPOConfig.name

@@ -130,7 +130,7 @@ def _run(
     out_dir: Path | None,
     on_metrics: Callable[[dict[str, float]], None] | None,
 ) -> list[dict[str, float]]:
-    model = build_tiny_model(recipe.model, recipe.seed)
+    model = build_tiny_model(recipe.model, recipe.seed, recipe.precision)
     model.eval()
     if recipe.deterministic:
         check_attention_backends(model)
