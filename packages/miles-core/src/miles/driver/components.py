@@ -39,6 +39,8 @@ class Components:
     drops: Any  # miles.driver.generation.DropLog: what the buffer dropped, by reason
     # What plugins run for the rollout (miles_rollout_services), resolved before any engine starts.
     services: list[RolloutService] = field(default_factory=list)
+    # Multi-LoRA (lora.adapters): each adapter's own components; data_source then holds them all.
+    adapters: dict[str, Components] = field(default_factory=dict)
 
 
 class SharedDataSource:
@@ -85,6 +87,7 @@ def buffer_policy(config: MilesConfig, filters: list[tuple[str, GroupFilter]]) -
 
 
 def build_components(config: MilesConfig, model_path: str, hooks: Hooks | None = None) -> Components:
+    from miles.driver.adapters import AdapterDataSources, adapter_components, adapters_of
     from miles.driver.generation import DropLog
     from miles.driver.rollout_services import resolve_services
 
@@ -107,7 +110,7 @@ def build_components(config: MilesConfig, model_path: str, hooks: Hooks | None =
     policy.recycle = lambda prompt: data_source.put_back([prompt])
     policy.on_drop = drops.record
     policy.reject = lambda group: hooks.miles_buffer_reject(group=group)
-    return Components(
+    components = Components(
         data_source=data_source,
         rollout_fn=rollout_fn,
         reward=make_component("reward", r.reward, r.reward_options),
@@ -121,3 +124,9 @@ def build_components(config: MilesConfig, model_path: str, hooks: Hooks | None =
         drops=drops,
         services=resolve_services(config, hooks.pm),
     )
+    if adapters_of(config):  # multi-LoRA: every adapter draws its own prompts, with its own reward
+        components.adapters = adapter_components(config, model_path, hooks)
+        components.data_source = AdapterDataSources(
+            {n: c.data_source for n, c in components.adapters.items()}
+        )
+    return components

@@ -177,6 +177,8 @@ class EngineFleet:
         self.urls = urls
         self.transport_options = transport_options
         self.lora_path: str | None = None  # a LoRA run: the adapter every generate request names
+        # Multi-LoRA: the adapters (each stage's clients name theirs; an export holds <dir>/<name>/).
+        self.lora_adapters: list[str] = []
         self.launcher = launcher
         self.settings = settings
         self.work_dir = work_dir
@@ -646,6 +648,10 @@ class EngineFleet:
                     if self.lora_path is not None:  # a LoRA run exports the adapter: load it by name
                         client.update_weight_version(version)
                         client.load_lora_adapter(self.lora_path, directory)
+                    elif self.lora_adapters:  # multi-LoRA: every adapter, from its own directory
+                        client.update_weight_version(version)
+                        for name in self.lora_adapters:
+                            client.load_lora_adapter(name, os.path.join(directory, name))
                     else:
                         client.update_weights_from_disk(directory, weight_version=version)
         finally:
@@ -725,7 +731,9 @@ def engine_fleet(config: MilesConfig, model_path: str, log_dir: str, work_dir: s
         config, model_path, log_dir, work_dir, on_launched=lambda launcher: launched.update(launcher=launcher)
     ) as (urls, transport_options):
         fleet = EngineFleet(urls, transport_options, launched.get("launcher"), settings, work_dir)
-        fleet.lora_path = config.lora.name if config.lora is not None else None
+        lora = config.lora
+        fleet.lora_path = lora.name if lora is not None and not lora.multi else None
+        fleet.lora_adapters = list(lora.named()) if lora is not None and lora.multi else []
         fleet.start()
         try:
             yield fleet

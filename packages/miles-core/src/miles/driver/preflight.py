@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from miles.capabilities import check_needs
 from miles.config.options import check_component_options
 from miles.config.schema import MilesConfig
+from miles.driver.adapters import check_adapters
 from miles.driver.components import Components, build_components
 from miles.driver.hooks import Hooks
 from miles.errors import ConfigError
@@ -59,6 +60,7 @@ def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
     components = build_components(config, model_path, hooks)
     try:
         check_needs(config)  # the components fit together (transport, engine kind, generate fn, filters)
+        check_adapters(config)  # multi-LoRA: what this slice runs (placement, schedule, backend)
         if config.mode == "rl":
             from miles.driver.fleet import settings_from
 
@@ -108,7 +110,8 @@ def close_components(components: Components) -> None:
     """Close what the components hold open (a remote reward's HTTP session); for a check that stops here."""
 
     async def close() -> None:
-        for obj in (components.reward, *components.reward_postprocess):
+        parts = [components, *components.adapters.values()]
+        for obj in (x for c in parts for x in (c.reward, *c.reward_postprocess)):
             aclose = getattr(obj, "aclose", None)
             if aclose is not None:
                 await aclose()

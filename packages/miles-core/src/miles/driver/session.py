@@ -147,7 +147,9 @@ class Session:
         stack.callback(_cancel_pending, loop)  # a hard stop leaves tasks behind: end them quietly
         stack.enter_context(self.stop.installed())
         engines: list[Any] = []
-        sessions = [components.reward, *components.reward_postprocess]
+        sessions = [
+            x for c in (components, *components.adapters.values()) for x in (c.reward, *c.reward_postprocess)
+        ]
         stack.callback(lambda: loop.run_until_complete(_close_clients([*engines, *sessions])))
         self.console = _start_trackers(config, self.run, start.state.step, self.pm, stack).get("console")
         stack.enter_context(placement_session(config))
@@ -323,6 +325,10 @@ def _generation(
     """The schedule's generation side: a synchronous stage, or a started fully asynchronous worker."""
     r = config.rollout
     components = start.components
+    if components.adapters:  # multi-LoRA: a rollout per adapter, one mixed batch
+        from miles.driver.adapters import adapter_generation
+
+        return adapter_generation(config, components, ctx, fleet.clients, loop, hooks, console)
     if config.schedule == "sync":
         stage = RolloutStage(
             components,
