@@ -2,9 +2,9 @@
 
 ``setup`` checks everything it can before touching the GPU, in one sentence each (the machine,
 the recipe's sections, the layout against the model, what this backend does not compute yet),
-then builds the trainer (``trainer.MegatronTrainer``). One GPU for now: the run's only rank
-lives in the driver's process; the multi-rank launch belongs to the multi-GPU issue (the
-layout, weight slicing and export paths for larger sizes are written and CPU-tested).
+then builds the trainer (``trainer.MegatronTrainer``). One rank lives in the driver's process;
+``megatron.num_ranks > 1`` (tensor parallelism) starts one spawned process per rank
+(``ranks.TrainerRanks``) and drives them as one trainer.
 
 The driver-side planning (micro-batches, mini-batches for several optimizer steps per batch)
 is plain Python here; the trainer turns rows into megatron's tensors on the device.
@@ -36,7 +36,7 @@ from miles_megatron.batch import (
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import Spec
 from miles_megatron.hf_config import HFModel
-from miles_megatron.hooks import runtime_problem
+from miles_megatron.hooks import launch_problems, runtime_problem
 from miles_megatron.layout import ModelShape, ParallelLayout, plan_layout
 
 log = logging.getLogger(__name__)
@@ -71,21 +71,12 @@ def resolve_layer_spec(options: MegatronOptions) -> Spec:
 
 def refusals(spec: BackendSpec, train: TrainSection, options: MegatronOptions, layer_spec: Spec) -> list[str]:
     """What this backend cannot run yet for ``spec``, one sentence each (empty: it can)."""
-    out = []
-    if options.num_ranks != 1:
-        out.append(
-            f"megatron.num_ranks is {options.num_ranks}: this backend trains on one GPU so far "
-            "(multi-GPU runs are the multi-GPU issue's)"
-        )
+    out = launch_problems(options)
     unsupported = [s for s in spec.scores if s != OLD_LOGPROBS]
     if unsupported:
         out.append(f"the objective needs {unsupported}, which the megatron backend does not compute yet")
     if spec.critic is not None:
         out.append("a critic (PPO values) is not built for the megatron backend yet")
-    if train.lr_schedule != "constant":
-        out.append(
-            f"train.lr_schedule {train.lr_schedule!r}: the megatron backend has the constant schedule (with warmup) only"
-        )
     if spec.placement.get("launcher", "local") != "local":
         out.append("placement.launcher 'ray' is not built for the megatron backend yet")
     if options.micro_batch_tokens is not None and layer_spec != "te":
@@ -112,18 +103,21 @@ class MegatronBackend:
     def setup(self, spec: BackendSpec) -> None:
         if self.trainer is not None:
             raise RuntimeError("MegatronBackend.setup called twice; shut it down first")
-        problem = runtime_problem()
+        train, options = validate_options(spec.options)
+        problem = runtime_problem(options)
         if problem is not None:
             raise ConfigError(problem)
-        train, options = validate_options(spec.options)
         if not os.path.isfile(os.path.join(spec.model_path, "config.json")):
             raise ModelError(
                 f"megatron: model path {spec.model_path!r} is not a Hugging Face model directory"
             )
         layout = plan_layout(options)
-        layout.check_model(ModelShape.of(HFModel.from_dir(spec.model_path)))
+        hf = HFModel.from_dir(spec.model_path)
+        layout.check_model(ModelShape.of(hf))
         layer_spec = resolve_layer_spec(options)
         problems = refusals(spec, train, options, layer_spec)
+        if hf.is_moe and layout.world > 1:
+            problems.append("a MoE model on more than one rank is not run yet (megatron.num_ranks: 1)")
         if problems:
             raise ConfigError("backend 'megatron': " + "; ".join(problems))
         from miles.plugins import validate_component_ref
@@ -131,11 +125,26 @@ class MegatronBackend:
         validate_component_ref("loss", spec.loss)
         if spec.correction:
             validate_component_ref("correction", spec.correction)
-        from miles_megatron.trainer import MegatronTrainer
+        from miles_megatron.schedule import decay_steps
 
+        decay_steps(train, spec.config)  # a decaying schedule with nothing to span fails here, once
         self.spec, self.train_opts, self.options, self.layout = spec, train, options, layout
-        self.trainer = MegatronTrainer(spec, layout, options, train, layer_spec)
-        log.info("megatron: one rank ready (%s spec, %s)", layer_spec, options.params_dtype)
+        if layout.world == 1:
+            from miles_megatron.trainer import MegatronTrainer
+
+            self.trainer = MegatronTrainer(spec, layout, options, train, layer_spec)
+        else:
+            from miles_megatron.ranks import TrainerRanks
+
+            self.trainer = TrainerRanks(spec, layout, options, train, layer_spec)
+        log.info(
+            "megatron: %d rank(s) ready on %s (%s spec, %s, TP %d)",
+            layout.world,
+            options.device,
+            layer_spec,
+            options.params_dtype,
+            layout.tp,
+        )
 
     # ------------------------------------------------------------------ steps
 

@@ -10,14 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field
 class MegatronOptions(BaseModel):
     """Options of the Megatron-core training backend (recipe key ``megatron``).
 
-    The world is ``num_ranks`` processes, one GPU each; data parallelism takes what the
+    The world is ``num_ranks`` processes, one GPU each (or CPU processes over gloo); data parallelism takes what the
     model-parallel sizes leave (``miles_megatron.layout.plan_layout``).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     num_ranks: int = Field(1, ge=1, description="trainer rank processes, one GPU each")
-    device: Literal["cuda"] = Field("cuda", description="megatron-core trains on CUDA only")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda",
+        description="cuda: NCCL, one GPU per rank; cpu: gloo, megatron's model and tensor parallelism on CPU "
+        "with torch's AdamW (megatron's DDP, optimizer and schedules are CUDA-only), for tests",
+    )
     tensor_parallel: int = Field(1, ge=1, description="TP: attention heads and MLP columns split over ranks")
     pipeline_parallel: int = Field(1, ge=1, description="PP: decoder layers split into stages")
     context_parallel: int = Field(1, ge=1, description="CP: each sequence split over ranks")

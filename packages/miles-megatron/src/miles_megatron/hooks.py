@@ -38,27 +38,64 @@ def miles_configure(config: Any) -> None:
     # The recipe's own mistakes first (on any machine), then what this machine lacks. Sizes that
     # cannot divide the world are refused here, the model's shape when the backend is set up.
     plan_layout(options)
-    if options.num_ranks != 1:
-        raise ConfigError(
-            f"megatron.num_ranks is {options.num_ranks}: the megatron backend trains on one GPU so far "
-            "(multi-GPU runs are the multi-GPU issue's)"
-        )
-    problem = runtime_problem()
+    problems = launch_problems(options)
+    if problems:
+        raise ConfigError("backend 'megatron': " + "; ".join(problems))
+    problem = runtime_problem(options)
     if problem is not None:
         raise ConfigError(problem)
 
 
-def runtime_problem() -> str | None:
-    """Why megatron-core cannot train on this machine (one sentence), or None when it can."""
+def launch_problems(options: MegatronOptions) -> list[str]:
+    """Layouts the multi-rank launch does not run yet, one sentence each naming the setting."""
+    out = []
+    if options.pipeline_parallel != 1:
+        out.append(
+            f"megatron.pipeline_parallel is {options.pipeline_parallel}: pipeline stages are not launched "
+            "yet (megatron-core's pipeline schedules and point-to-point buffers are CUDA-only and not run "
+            "here); allowed: 1"
+        )
+    if options.context_parallel != 1:
+        out.append(f"megatron.context_parallel is {options.context_parallel}: not launched yet; allowed: 1")
+    if options.expert_parallel != 1:
+        out.append(f"megatron.expert_parallel is {options.expert_parallel}: not launched yet; allowed: 1")
+    if options.expert_tensor_parallel not in (None, options.tensor_parallel):
+        out.append(
+            f"megatron.expert_tensor_parallel is {options.expert_tensor_parallel}: not launched yet; "
+            "allowed: unset (the same as tensor_parallel)"
+        )
+    if options.sequence_parallel:
+        out.append("megatron.sequence_parallel is true: not launched yet; allowed: false")
+    model_parallel = options.tensor_parallel * options.pipeline_parallel * options.context_parallel
+    if options.num_ranks != model_parallel and model_parallel and options.num_ranks % model_parallel == 0:
+        out.append(
+            f"megatron.num_ranks is {options.num_ranks}: data parallelism (DP = "
+            f"{options.num_ranks // model_parallel}) is not built yet (the batch is not split over DP "
+            f"ranks); allowed: num_ranks = tensor_parallel = {options.tensor_parallel}"
+        )
+    return out
+
+
+def runtime_problem(options: MegatronOptions | None = None) -> str | None:
+    """Why megatron-core cannot train ``options``' ranks on this machine (one sentence), or None when it can."""
+    options = options or MegatronOptions()
     try:  # the distribution's metadata, so that checking imports nothing of megatron
         importlib.metadata.distribution("megatron-core")
     except importlib.metadata.PackageNotFoundError:
         return "backend 'megatron' needs megatron-core: pip install miles-megatron"
+    if options.device == "cpu":
+        return None
     import torch
 
     if not torch.cuda.is_available():
         return (
             "backend 'megatron' needs a CUDA GPU and none is visible on this machine "
-            "(megatron-core trains on CUDA only); use backend: fsdp to train on CPU"
+            "(megatron-core trains on CUDA only); use backend: fsdp to train on CPU "
+            "(megatron.device: cpu runs megatron's tensor parallelism over gloo, for tests)"
+        )
+    if options.num_ranks > torch.cuda.device_count():
+        return (
+            f"megatron.num_ranks is {options.num_ranks} (one GPU each) but this machine has "
+            f"{torch.cuda.device_count()} CUDA device(s)"
         )
     return None

@@ -14,6 +14,16 @@ Forward and backward go through megatron's schedule (``get_forward_backward_func
 calls ``loss_func`` per micro-batch with the logits. The run's ``Loss`` already divides by the
 global batch's loss tokens, so ``loss_func`` hands the schedule back its loss multiplied by the
 number of micro-batches, which the schedule divides by again.
+
+With ``megatron.device: cpu`` (gloo) the model and its tensor-parallel layers are megatron's,
+with the CPU pieces of ``miles_megatron.cpu``; megatron's DDP, optimizer and schedules
+allocate on CUDA, so the rank runs the no-pipelining schedule's loop itself (forward,
+``loss_func``, backward of the loss over the number of micro-batches) and torch's AdamW with
+megatron's weight-decay groups and a tensor-parallel gradient norm.
+
+With TP > 1 the output layer's logits are vocab-sharded; ``gather_vocab`` joins them over the
+TP group (its backward hands each rank its slice), so the log-probs are those of the full
+vocabulary on every TP rank.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from miles_megatron.hf_config import HFModel
 from miles_megatron.layout import ParallelLayout
 from miles_megatron.offload import StorageOffloader
 from miles_megatron.parallel import megatron_parallel
+from miles_megatron.schedule import decay_steps, lr_multiplier
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +101,6 @@ class MegatronTrainer:
         rank: int = 0,
         init_method: str | None = None,
     ) -> None:
-        from megatron.core.distributed import (  # type: ignore[import-untyped]
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # type: ignore[import-untyped]
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # type: ignore[import-untyped]
-
         from miles.plugins import get_plugin_manager
         from miles_megatron.model_config import DTYPES, gpt_model, transformer_config
 
@@ -105,18 +108,34 @@ class MegatronTrainer:
         self.layer_spec = layer_spec
         self.rank = rank
         self.pm = get_plugin_manager()
-        self.device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
-        torch.cuda.set_device(self.device)
+        self.cuda = options.device == "cuda"
+        if self.cuda:
+            self.device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
         self._stack = contextlib.ExitStack()
         init = init_method or f"tcp://127.0.0.1:{free_port()}"
-        self._stack.enter_context(megatron_parallel(layout, rank, "nccl", init))
+        self._stack.enter_context(megatron_parallel(layout, rank, "nccl" if self.cuda else "gloo", init))
         torch.manual_seed(spec.seed)
-        model_parallel_cuda_manual_seed(spec.seed)
+        if self.cuda:
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # type: ignore[import-untyped]
+
+            model_parallel_cuda_manual_seed(spec.seed)
+        else:
+            from miles_megatron.cpu import install_cpu_runtime
+
+            install_cpu_runtime(spec.seed)
+        self.lr_factor = lr_multiplier(train, decay_steps(train, spec.config))
 
         self.hf = HFModel.from_dir(spec.model_path)
         self.dtype = DTYPES[options.params_dtype]
-        self.config = transformer_config(self.hf, layout, options.params_dtype)
+        self.config = transformer_config(self.hf, layout, options.params_dtype, cpu_init=not self.cuda)
         gpt = gpt_model(self.hf, self.config, layer_spec).to(self.device)
+        if not self.cuda:
+            from miles_megatron.cpu import install_cpu_model
+
+            install_cpu_model(gpt)
         full = hf_to_megatron(self.hf, load_hf_tensors(spec.model_path), layer_spec)
         state = {k: v.to(self.dtype) for k, v in shard_for_rank(self.hf, layout, rank, full).items()}
         result = gpt.load_state_dict(state, strict=False)
@@ -127,6 +146,34 @@ class MegatronTrainer:
                 f"unexpected {list(result.unexpected_keys)[:5]}"
             )
         self.gpt = gpt
+        self.optimizer_steps = 0
+        if self.cuda:
+            self._megatron_optimizer(gpt, train)
+        else:
+            from miles_megatron.cpu import weight_decay_groups
+
+            self.model: Any = gpt
+            self.optimizer: Any = torch.optim.AdamW(
+                weight_decay_groups(gpt.named_parameters(), train.weight_decay),
+                lr=train.lr,
+                betas=train.betas,
+                eps=train.eps,
+            )
+        self.loss_fn, self.correction_fn = self._components()
+        self.transport = self._connect_transport()
+        self._offloader: StorageOffloader | None = None
+
+    # ---------------------------------------------------------------- build
+
+    def _megatron_optimizer(self, gpt: Any, train: TrainSection) -> None:
+        """megatron's DDP around ``gpt`` and its optimizer (CUDA)."""
+        from megatron.core.distributed import (  # type: ignore[import-untyped]
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # type: ignore[import-untyped]
+
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -150,12 +197,6 @@ class MegatronTrainer:
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss if bf16 else None
-        self.optimizer_steps = 0
-        self.loss_fn, self.correction_fn = self._components()
-        self.transport = self._connect_transport()
-        self._offloader: StorageOffloader | None = None
-
-    # ---------------------------------------------------------------- build
 
     def _components(self) -> tuple[Any, Any]:
         from miles.plugins import make_component
@@ -200,11 +241,21 @@ class MegatronTrainer:
             logits = model(
                 input_ids=mb.tokens,
                 position_ids=mb.position_ids,
-                attention_mask=None,
+                attention_mask=None if self.cuda else _causal_mask(mb),
                 **self._packed_kwargs(mb),
             )
-            return logits, functools.partial(loss_func, mb, n)
+            return gather_vocab(logits), functools.partial(loss_func, mb, n)
 
+        if not self.cuda:  # megatron's no-pipelining schedule, whose own code allocates on CUDA
+            data = iter(micro_batches)
+            outs = []
+            for _ in range(n):
+                logits, reduce_fn = forward_step(data, self.model)
+                loss, out = reduce_fn(logits)
+                if not forward_only:
+                    (loss / n).backward()
+                outs.append(out)
+            return outs
         return list(
             get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -245,16 +296,23 @@ class MegatronTrainer:
             outs = self._run_schedule(mbs, loss_func, forward_only=True)
         return [[{OLD_LOGPROBS: row} for row in out["rows"]] for out in outs]
 
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
     def train_step(self, groups: list[list[Row]], num_loss_tokens: int, num_samples: int) -> dict[str, float]:
         from miles._plugins.backend_hooks import apply_loss_hooks
 
-        torch.cuda.synchronize(self.device)
+        self._sync()
         t0 = time.perf_counter()
         mbs = self._micro_batches(groups)
         self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        lr = self._lr()
+        if self.cuda:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        lr = self.train_opts.lr * self.lr_factor(self.optimizer_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         kind = self.loss_kind()
@@ -309,10 +367,10 @@ class MegatronTrainer:
             return out.loss * n, reduced
 
         outs = self._run_schedule(mbs, loss_func, forward_only=False)
-        torch.cuda.synchronize(self.device)
+        self._sync()
         t_fb = time.perf_counter()
-        ok, grad_norm, _ = self.optimizer.step()
-        torch.cuda.synchronize(self.device)
+        ok, grad_norm = self._optimizer_step()
+        self._sync()
         t_opt = time.perf_counter()
         if ok:
             self.optimizer_steps += 1
@@ -335,19 +393,28 @@ class MegatronTrainer:
                 "train/num_loss_tokens": float(num_loss_tokens),
                 "train/num_tokens": float(tokens),
                 "train/tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-                "train/cuda_peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
                 "time/train_step/forward_backward_s": t_fb - t0,
                 "time/train_step/optimizer_s": t_opt - t_fb,
             }
         )
+        if self.cuda:
+            metrics["train/cuda_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics
 
-    def _lr(self) -> float:
-        """Constant learning rate after a linear warmup (optimizer steps, from 0)."""
-        warmup = self.train_opts.warmup_steps
-        if warmup and self.optimizer_steps < warmup:
-            return self.train_opts.lr * (self.optimizer_steps + 1) / warmup
-        return self.train_opts.lr
+    def _optimizer_step(self) -> tuple[bool, float | None]:
+        """One optimizer step: (whether it was taken, the gradient norm before clipping)."""
+        if self.cuda:
+            ok, grad_norm, _ = self.optimizer.step()
+            return bool(ok), grad_norm
+        from miles_megatron.cpu import clip_grad_norm, reduce_tp_shared_grads
+
+        reduce_tp_shared_grads(self.gpt, bool(self.config.qk_layernorm))
+        params = [p for p in self.gpt.parameters() if p.requires_grad]
+        norm = clip_grad_norm(params, self.train_opts.grad_clip)
+        if not torch.isfinite(torch.tensor(norm)):
+            return False, norm
+        self.optimizer.step()
+        return True, norm
 
     # ---------------------------------------------------------------- weights
 
@@ -404,8 +471,17 @@ class MegatronTrainer:
             "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading),
         }
 
+    def _needs_cuda(self, what: str) -> None:
+        if not self.cuda:
+            raise ComponentError(
+                f"megatron.device cpu: {what} is not built on CPU (it goes through megatron's CUDA-only "
+                "optimizer or device memory); use megatron.device cuda"
+            )
+
     def save_checkpoint(self, directory: str) -> None:
         from megatron.core import dist_checkpointing
+
+        self._needs_cuda("save_checkpoint")
 
         target = os.path.join(directory, "dist")
         os.makedirs(target, exist_ok=True)
@@ -421,6 +497,8 @@ class MegatronTrainer:
 
     def load_checkpoint(self, directory: str) -> None:
         from megatron.core import dist_checkpointing
+
+        self._needs_cuda("load_checkpoint")
 
         loaded = dist_checkpointing.load(self._sharded_state(loading=True), os.path.join(directory, "dist"))
         self.gpt.load_state_dict(loaded["model"])
@@ -453,6 +531,7 @@ class MegatronTrainer:
                 yield from (v for v in st.values() if isinstance(v, torch.Tensor))
 
     def offload(self) -> dict[str, float]:
+        self._needs_cuda("offload")
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self._offloader = StorageOffloader(self._device_tensors(), self.device)
@@ -475,6 +554,44 @@ class MegatronTrainer:
             self.transport.close()
             self.transport = None
         self._stack.close()
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Vocab-sharded logits joined over the TP group; the backward hands this rank its slice back.
+
+    Every TP rank computes the same loss from the joined logits, so the gradient of its own
+    shard is its slice of the joined logits' gradient (megatron's convention for a gather).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        ctx.rank, ctx.width = dist.get_rank(group), logits.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous()
+
+
+def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """The full-vocabulary logits of a rank's vocab-parallel output layer (unchanged with TP = 1)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    out: torch.Tensor = _GatherVocab.apply(logits)
+    return out
+
+
+def _causal_mask(mb: MicroBatch) -> torch.Tensor:
+    from miles_megatron.cpu import causal_mask
+
+    return causal_mask(int(mb.tokens.shape[1])).to(mb.tokens.device)
 
 
 def packed_seq_params(cls: Any, mb: MicroBatch) -> Any:

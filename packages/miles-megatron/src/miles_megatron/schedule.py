@@ -1,0 +1,72 @@
+"""``train.lr_schedule``: warmup then constant / linear / cosine, as the FSDP backend schedules it.
+
+Both backends take the multiplier of optimizer step ``s`` (from 0) from transformers' schedule
+functions, with the first warmup step already at ``lr / warmup_steps``
+(``miles_fsdp.schedule`` explains the convention; ``tests/megatron/test_megatron_schedule.py``
+checks this module gives the same numbers on every step). The megatron backend sets the rate on
+its optimizer's parameter groups before each step instead of through ``LambdaLR``.
+
+The constant schedule is its closed form, ``min(1, (s + 1) / warmup_steps)`` (1.0 without
+warmup), which is what transformers' ``constant_with_warmup`` gives under that convention; it
+spares each rank process importing transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from miles.config.schema import TrainSection
+from miles.errors import ConfigError
+
+_HF_NAMES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def decay_steps(train: TrainSection, config: dict[str, Any] | None) -> int | None:
+    """Optimizer steps the decay spans: ``train.lr_decay_steps``, else the run's (None for constant)."""
+    if train.lr_schedule == "constant":
+        return None
+    if train.lr_decay_steps is not None:
+        return train.lr_decay_steps
+    num_steps = ((config or {}).get("run") or {}).get("num_steps")
+    if num_steps is None:
+        raise ConfigError(
+            f"train.lr_schedule {train.lr_schedule!r} decays over the run, but the megatron backend was "
+            "started without a run config (no run.num_steps): set train.lr_decay_steps"
+        )
+    total = int(num_steps) * train.steps_per_rollout
+    if total <= train.warmup_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({train.warmup_steps}) leaves no optimizer step of the run's {total} "
+            "(run.num_steps x train.steps_per_rollout) to decay over; lower warmup_steps"
+        )
+    return total
+
+
+def lr_multiplier(train: TrainSection, total_steps: int | None) -> Callable[[int], float]:
+    """The factor on ``train.lr`` at optimizer step ``step`` (from 0)."""
+    warmup = train.warmup_steps
+    if train.lr_schedule == "constant":
+        return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    from transformers import get_scheduler
+
+    name = _HF_NAMES[train.lr_schedule]
+    kwargs: dict[str, Any] = {}
+    if train.lr_schedule == "cosine" and train.min_lr_ratio > 0:
+        name, kwargs = "cosine_with_min_lr", {"min_lr_rate": train.min_lr_ratio}
+    # transformers' schedules are built on an optimizer; a throwaway one gives the function.
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    f = get_scheduler(
+        name,
+        probe,
+        num_warmup_steps=train.warmup_steps,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=kwargs or None,
+    ).lr_lambdas[0]
+
+    def multiplier(step: int) -> float:
+        return float(f(step + 1 if step < warmup else step))
+
+    return multiplier

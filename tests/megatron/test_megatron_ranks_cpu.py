@@ -1,0 +1,84 @@
+"""The multi-rank launch on CPU over gloo (``megatron.device: cpu``): TP = 2 in two rank processes.
+
+One tiny Qwen3 checkpoint and one batch, trained by the real backend twice: one rank in this
+process (TP = 1) and two spawned rank processes (TP = 2, megatron's column- and row-parallel
+layers, the vocab-parallel embedding and output layer over gloo). The per-token log-probs, the
+train step's loss, the log-probs after that step, and the export gathered over the TP group
+(== the checkpoint's HF tensors) must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron_helpers import checkpoint_tensors, make_batch, make_checkpoint
+from safetensors.torch import load_file
+
+from miles.errors import ConfigError
+from miles.interfaces import BackendSpec
+from miles_megatron.backend import MegatronBackend
+
+pytestmark = pytest.mark.slow
+
+
+def _spec(path, **megatron) -> BackendSpec:
+    return BackendSpec(
+        model_path=str(path),
+        loss="ppo_clip",
+        correction=None,
+        transport="colocated",
+        engine_urls=[],
+        temperature=1.0,
+        options={
+            # eps well above float noise: Adam's first step is lr * g / (|g| + eps), and a gradient
+            # that is 0 up to rounding would otherwise move by +-lr on one layout and not the other.
+            "train": {"lr": 1e-2, "eps": 1e-4, "micro_batch_size": 2, "grad_clip": 1.0, "weight_decay": 0.01},
+            "megatron": dict(device="cpu", params_dtype="float32", **megatron),
+        },
+    )
+
+
+def _run(path, out, **megatron):
+    backend = MegatronBackend()
+    backend.setup(_spec(path, **megatron))
+    try:
+        batch = make_batch(n=5, seed=1)
+        backend.export_hf(str(out))
+        before = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
+        metrics = backend.train_step(batch)
+        after = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
+        return before, metrics, after
+    finally:
+        backend.shutdown()
+
+
+def _close(a: list[list[float]], b: list[list[float]], tol: float) -> float:
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)) <= tol
+
+
+def test_tp2_over_gloo_equals_one_rank(tmp_path):
+    path = make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False)
+    one = _run(path, tmp_path / "one")
+    two = _run(path, tmp_path / "two", num_ranks=2, tensor_parallel=2)
+    assert _close(one[0], two[0], 1e-5)
+    assert abs(one[1]["train/loss"] - two[1]["train/loss"]) < 1e-5
+    assert abs(one[1]["train/grad_norm"] - two[1]["train/grad_norm"]) < 1e-4
+    assert _close(one[2], two[2], 1e-4)  # one AdamW step on the TP shards == on the whole model
+    assert not _close(one[0], one[2], 1e-3)  # and the step changed the model
+    hf = checkpoint_tensors(path)
+    for run in ("one", "two"):
+        exported = load_file(str(tmp_path / run / "model.safetensors"))
+        assert set(exported) == set(hf)
+        assert all(torch.equal(exported[k], hf[k]) for k in hf), run
+
+
+def test_cpu_launch_refuses_what_it_does_not_run(tmp_path):
+    path = make_checkpoint("qwen3", tmp_path / "hf")
+    for megatron, said in [
+        (dict(num_ranks=2, pipeline_parallel=2), "megatron.pipeline_parallel is 2"),
+        (dict(num_ranks=2), "data parallelism (DP = 2) is not built yet"),
+        (dict(num_ranks=2, tensor_parallel=2, sequence_parallel=True), "megatron.sequence_parallel is true"),
+    ]:
+        with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            MegatronBackend().setup(_spec(path, **megatron))
