@@ -12,6 +12,26 @@ from miles_diffusion.recipe import load_recipe
 from miles_diffusion.sampler import SamplerConfig, sample
 from miles_diffusion.train import run
 
+from ._standards import assert_matches_standard, write_standard
+
+PROXY_ITERATIONS = 6
+"""The proxy of ``tiny_diffusion_nft`` its committed standard records: the recipe, 6 iterations."""
+PROXY_STANDARD = "tiny_diffusion_nft_proxy"
+
+
+def _proxy_run() -> list[dict[str, float]]:
+    return run(replace(load_recipe("tiny_diffusion_nft"), num_iterations=PROXY_ITERATIONS))
+
+
+@pytest.fixture(scope="module")
+def proxy_run() -> list[dict[str, float]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _proxy_run()
+    finally:
+        torch.set_num_threads(threads)
+
 
 def test_optimality_probability_maps_clipped_group_advantages_onto_0_1() -> None:
     rewards = torch.tensor([0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0])
@@ -81,9 +101,19 @@ def test_a_train_step_fits_positive_samples_better_and_negative_ones_worse() -> 
 
 
 @pytest.mark.slow
-def test_the_nft_recipe_raises_the_reward() -> None:
-    history = run(replace(load_recipe("tiny_diffusion_nft"), num_iterations=6))
+def test_the_nft_recipe_raises_the_reward(proxy_run: list[dict[str, float]]) -> None:
+    history = proxy_run
     before, after = history[0]["eval/reward_before"], history[-1]["eval/reward_after"]
     assert after > before + 0.03, (before, after)
     assert history[-1]["reward/mean"] > history[0]["reward/mean"]
     assert all(m["train/grad_norm"] > 0 for m in history)
+
+
+@pytest.mark.slow
+def test_the_nft_proxy_matches_its_committed_standard(proxy_run: list[dict[str, float]]) -> None:
+    assert_matches_standard(PROXY_STANDARD, proxy_run)
+
+
+if __name__ == "__main__":  # regenerate the standard: uv run python -m tests.diffusion.test_nft
+    torch.set_num_threads(1)
+    print(f"wrote {write_standard(PROXY_STANDARD, _proxy_run())}")

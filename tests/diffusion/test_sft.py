@@ -12,6 +12,26 @@ from miles_diffusion.recipe import load_recipe
 from miles_diffusion.sft import SFTConfig, SFTTrainer, evaluation_loss
 from miles_diffusion.train import run
 
+from ._standards import assert_matches_standard, write_standard
+
+PROXY_ITERATIONS = 12
+"""The proxy of ``tiny_sft`` its committed standard records: the recipe, 12 iterations."""
+PROXY_STANDARD = "tiny_sft_proxy"
+
+
+def _proxy_run() -> list[dict[str, float]]:
+    return run(replace(load_recipe("tiny_sft"), num_iterations=PROXY_ITERATIONS))
+
+
+@pytest.fixture(scope="module")
+def proxy_run() -> list[dict[str, float]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _proxy_run()
+    finally:
+        torch.set_num_threads(threads)
+
 
 def test_the_shapes_dataset_is_reproducible_and_coloured_by_prompt() -> None:
     config = ShapesDatasetConfig(num_images=12, held_out=4, batch_size=4, seed=3)
@@ -48,9 +68,19 @@ def test_sft_loss_falls_over_a_few_steps() -> None:
 
 
 @pytest.mark.slow
-def test_the_sft_recipe_fits_the_images() -> None:
-    history = run(replace(load_recipe("tiny_sft"), num_iterations=12))
+def test_the_sft_recipe_fits_the_images(proxy_run: list[dict[str, float]]) -> None:
+    history = proxy_run
     first, last = history[0], history[-1]
     assert last["eval/loss_after"] < 0.6 * first["eval/loss_before"]
     assert last["eval/colour_error_after"] < 0.5 * first["eval/colour_error_before"]
     assert "reward/mean" not in first and "eval/reward_before" not in first  # no reward in this recipe
+
+
+@pytest.mark.slow
+def test_the_sft_proxy_matches_its_committed_standard(proxy_run: list[dict[str, float]]) -> None:
+    assert_matches_standard(PROXY_STANDARD, proxy_run)
+
+
+if __name__ == "__main__":  # regenerate the standard: uv run python -m tests.diffusion.test_sft
+    torch.set_num_threads(1)
+    print(f"wrote {write_standard(PROXY_STANDARD, _proxy_run())}")
