@@ -28,3 +28,12 @@ def test_recipes_refuse_unknown_keys_and_levels() -> None:
     with pytest.raises(ValueError, match="evidence_level"):
         recipe_from_dict({**base, "evidence_level": "probably fine"})
     assert load_recipe("tiny_flow_grpo").model.block_out_channels == (16, 32)
+
+
+def test_driver_runs_a_supervised_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["tiny_sft", "--out", str(tmp_path), "--iterations", "1"])
+    out = capsys.readouterr().out
+    assert "recipe tiny_sft: evidence level proxy gated" in out
+    assert "iter 0: loss " in out and "eval/loss before " in out and "eval/colour_error before " in out
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert {"train/loss", "eval/loss_before", "eval/loss_after"} <= set(json.loads(line))
