@@ -209,8 +209,13 @@ def adapter_generation(
         engines = clients()
         for client in engines:
             client.lora_path = name  # every /generate of this stage names its adapter
+        # router=None: the context routes over these clients (a copied router would use the run's).
         stage_ctx = dataclasses.replace(
-            ctx, engines=engines, reward=own.reward, reward_postprocess=list(own.reward_postprocess)
+            ctx,
+            engines=engines,
+            router=None,
+            reward=own.reward,
+            reward_postprocess=list(own.reward_postprocess),
         )
         stages[name] = RolloutStage(
             own,
