@@ -1,7 +1,8 @@
 """megatron-core's GPT model built on CPU from an HF config, loaded with converted weights (gloo, 1 rank).
 
-The forward pass itself needs CUDA in megatron-core 0.16 (see docs/megatron.md); the
-log-prob parity test is in test_megatron_gpu.py.
+Its forward pass runs on CPU with ``miles_megatron.cpu``'s pieces (megatron-core 0.16 allocates
+on CUDA in three helpers, see docs/megatron.md) and gives the HF model's logits; the GPU parity
+test (float32 and bf16) is in test_megatron_gpu.py.
 """
 
 from __future__ import annotations
@@ -76,3 +77,29 @@ def test_transformer_config_fields_match_the_hf_config(parallel, tmp_path):
     cfg = transformer_config(dense, parallel, "float32")
     assert cfg.add_qkv_bias and not cfg.qk_layernorm and cfg.num_moe_experts is None
     assert cfg.kv_channels == 8 and cfg.params_dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("qwen3", dict(tie_word_embeddings=True)), ("qwen3", dict(tie_word_embeddings=False)), ("qwen2", {})],
+)
+def test_the_cpu_forward_gives_the_hf_models_logits(parallel, tmp_path, family, extra):
+    import transformers
+
+    from miles_megatron.cpu import causal_mask, install_cpu_model, install_cpu_runtime
+    from miles_megatron.model_config import gpt_model, transformer_config
+
+    path = make_checkpoint(family, tmp_path, **extra)
+    model = HFModel.from_dir(str(path))
+    install_cpu_runtime(seed=0)
+    gpt = gpt_model(model, transformer_config(model, parallel, "float32", cpu_init=True))
+    install_cpu_model(gpt)
+    gpt.load_state_dict(hf_to_megatron(model, checkpoint_tensors(path)), strict=False)
+    gpt.eval()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = gpt(input_ids=ids, position_ids=torch.arange(9).expand(2, 9), attention_mask=causal_mask(9))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        theirs = hf(ids).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() < 1e-5

@@ -82,3 +82,6 @@ def test_cpu_launch_refuses_what_it_does_not_run(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
             MegatronBackend().setup(_spec(path, **megatron))
+    moe = make_checkpoint("qwen3_moe", tmp_path / "moe")
+    with pytest.raises(ConfigError, match=r"megatron\.device cpu cannot run a MoE model"):
+        MegatronBackend().setup(_spec(moe))

@@ -118,6 +118,11 @@ class MegatronBackend:
         problems = refusals(spec, train, options, layer_spec)
         if hf.is_moe and layout.world > 1:
             problems.append("a MoE model on more than one rank is not run yet (megatron.num_ranks: 1)")
+        if hf.is_moe and options.device == "cpu":
+            problems.append(
+                "megatron.device cpu cannot run a MoE model (megatron-core's router moves its weights to "
+                "CUDA in every forward); allowed: a dense model, or megatron.device cuda"
+            )
         if problems:
             raise ConfigError("backend 'megatron': " + "; ".join(problems))
         from miles.plugins import validate_component_ref

@@ -17,7 +17,8 @@ The fourth, the default causal mask (``transformer.utils.get_default_causal_mask
 ``"cuda"`` when the attention mask is None), is avoided through megatron's API: the CPU trainer
 passes an explicit mask (:func:`causal_mask`).
 
-What stays CUDA-only in megatron-core and so is not used on CPU: its ``DistributedDataParallel``
+Not adapted, so refused on CPU: the MoE router (``router.py``, ``gating`` moves its weights to
+CUDA on every call). What stays CUDA-only in megatron-core and so is not used on CPU: its ``DistributedDataParallel``
 (gradient buffers on the current CUDA device), its optimizer and gradient clipping (``found_inf``
 and norm tensors on ``"cuda"``), its forward/backward schedules (``total_num_tokens`` on
 ``"cuda"``) and the pipeline's point-to-point buffers. The CPU trainer runs torch's AdamW with
