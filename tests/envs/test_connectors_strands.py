@@ -7,6 +7,7 @@ Miles is replaced."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,7 +88,14 @@ def service(tool_model, tmp_path_factory) -> Iterator[Any]:
             yield running
 
 
-def _rollout(service: Any, options: dict[str, Any], *, toolset: Any = None, n: int = 1) -> Any:
+def _rollout(
+    service: Any,
+    options: dict[str, Any],
+    *,
+    toolset: Any = None,
+    n: int = 1,
+    max_tokens: int = SAMPLING_TOKENS,
+) -> Any:
     from miles.builtins.rewards.exact_match import exact_match
     from miles.builtins.rollout.default import GroupRollout
     from miles.interfaces import RolloutContext
@@ -99,7 +107,7 @@ def _rollout(service: Any, options: dict[str, Any], *, toolset: Any = None, n: i
         ctx = RolloutContext(
             engines=[],
             tokenizer=service.state.tokenizer,
-            sampling=SamplingParams(max_new_tokens=SAMPLING_TOKENS, temperature=1.0),
+            sampling=SamplingParams(max_new_tokens=max_tokens, temperature=1.0),
             n_samples_per_prompt=n,
             reward=exact_match,
             services={
@@ -174,6 +182,35 @@ def test_a_broken_toolset_fails_the_episode(service: Any) -> None:
     assert sample.status is Status.FAILED
     assert sample.metadata["exit_reason"] == "agent_error"
     assert "backend went away" in sample.metadata["failure"]
+
+
+@pytest.mark.slow
+def test_a_reply_cut_at_max_tokens_is_the_token_limit(service: Any) -> None:
+    from miles_envs.tools.calculator import Calculator
+
+    [sample] = _rollout(service, {}, toolset=Calculator(), max_tokens=8).samples  # the tool call is longer
+    assert sample.metadata["exit_reason"] == "token_limit"
+    assert len(sample.response_ids) == 8 and sample.metadata["tool_calls"] == 0
+
+
+def test_an_unreachable_model_server_is_an_environment_error() -> None:
+    from miles.types import ExitReason
+    from miles_envs.connectors.strands_agent import strands_agent
+    from miles_envs.interfaces import AgentTask
+
+    with socket.socket() as free:  # a port nothing listens on once it is closed
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    task = AgentTask(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        messages=[{"role": "user", "content": "What is 1+1?"}],
+        tools=None,
+        request={"max_tokens": 8},
+        options={"request_timeout_s": 5.0},
+    )
+    result = asyncio.run(strands_agent(task))
+    assert result.exit_reason is ExitReason.ENVIRONMENT_ERROR
+    assert result.failure is not None and "model server failed" in result.failure
 
 
 def test_bad_options_are_refused() -> None:
