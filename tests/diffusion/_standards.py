@@ -2,9 +2,13 @@
 later run against them, bit for bit where the machine and libraries are the standard's own.
 
 A standard ``NAME.json`` sits in ``tests/diffusion/standards`` beside ``NAME.env.json``, the
-environment it was made in. Deterministic mode repeats bit for bit on the same hardware and
-software; on another CPU kernel set (AVX2 vs AVX512), processor or torch, rounding differs and
-compounds over training steps, so there only the first iteration is compared, within a tolerance.
+environment it was made in; a standard of the same recipe made in another environment is
+``NAME@<digest>.json`` (``digest`` names its environment). Deterministic mode repeats bit for bit
+on the same hardware and software, so a run is compared bit for bit with the standard of its own
+environment. On a machine no standard was made on (another CPU kernel set, AVX2 vs AVX512, another
+processor or torch) rounding differs and compounds over training steps, so there only the first
+iteration is compared with the first standard, within a tolerance; write that machine's standard
+(``write_standard``) to gate it bit for bit too.
 """
 
 from __future__ import annotations
@@ -56,26 +60,54 @@ def repeatable(history: list[dict[str, float]]) -> list[dict[str, float]]:
     return [{k: v for k, v in m.items() if not k.startswith(TIMING_PREFIX)} for m in history]
 
 
+def _digest(env: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _standards(name: str) -> list[Path]:
+    """The committed standards of ``name``: the first one, then those of other environments."""
+    first = STANDARDS / f"{name}.json"
+    others = sorted(STANDARDS.glob(f"{name}@*.json"))
+    return [p for p in [first, *others] if p.is_file() and not p.name.endswith(".env.json")]
+
+
+def _env_of(path: Path) -> dict[str, str]:
+    return json.loads(path.with_suffix(".env.json").read_text())
+
+
 def write_standard(name: str, history: list[dict[str, float]]) -> Path:
-    path = STANDARDS / f"{name}.json"
+    """Record ``history`` as the standard of this environment (replacing only that one)."""
+    env = environment()
+    existing = [p for p in _standards(name) if _env_of(p) == env]
+    if existing:
+        path = existing[0]
+    elif (STANDARDS / f"{name}.json").is_file():
+        path = STANDARDS / f"{name}@{_digest(env)}.json"
+    else:
+        path = STANDARDS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(repeatable(history), indent=1) + "\n")
-    path.with_suffix(".env.json").write_text(json.dumps(environment(), indent=1) + "\n")
+    path.with_suffix(".env.json").write_text(json.dumps(env, indent=1) + "\n")
     return path
 
 
 def assert_matches_standard(name: str, history: list[dict[str, float]]) -> None:
-    path = STANDARDS / f"{name}.json"
+    standards = _standards(name)
+    assert standards, f"no committed standard for {name} in {STANDARDS}"
+    env = environment()
+    own = [p for p in standards if _env_of(p) == env]
+    path = own[0] if own else standards[0]
     standard = json.loads(path.read_text())
     got = repeatable(history)
     assert len(got) == len(standard)
-    same_environment = json.loads(path.with_suffix(".env.json").read_text()) == environment()
+    same_environment = bool(own)
     for iteration, (mine, theirs) in enumerate(zip(got, standard, strict=True)):
         assert mine.keys() == theirs.keys(), iteration
         if not same_environment and iteration > 0:
             continue
         for key, value in theirs.items():
             if same_environment:
-                assert mine[key] == value, (iteration, key, mine[key].hex(), float(value).hex())
+                assert mine[key] == value, (path.name, iteration, key, mine[key].hex(), float(value).hex())
             else:  # the first iteration still agrees closely: the same computation, other rounding
-                assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (iteration, key)
+                # (abs: a loss near zero, -2.4e-4 on one host, moved by 4e-6 on another)
+                assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (path.name, iteration, key)

@@ -1,8 +1,9 @@
 """The tiny Flow-GRPO recipe end to end: the reward rises, runs repeat bit for bit, and every
 registered metric matches the committed standard exactly (the recipe's "fully gated" evidence).
 
-Regenerate the standard (only after an intended numerical change, and say so in the commit):
-``uv run python tests/diffusion/test_tiny_recipe.py``.
+Regenerate this machine's standard (only after an intended numerical change, or to gate a new
+machine bit for bit; say so in the commit): ``uv run python -m tests.diffusion.test_tiny_recipe``
+(tests/diffusion/_standards.py keeps one standard per environment).
 """
 
 from __future__ import annotations
@@ -16,49 +17,11 @@ import torch
 
 from miles_diffusion.deterministic import check_attention_backends
 from miles_diffusion.recipe import load_recipe
-from miles_diffusion.train import TIMING_PREFIX, run
+from miles_diffusion.train import run
 
-STANDARD = Path(__file__).parent / "standards" / "tiny_flow_grpo.json"
-# Where the standard was produced. Deterministic mode repeats bit for bit on the same hardware and
-# software; another CPU kernel set (AVX2 vs AVX512) or another torch rounds differently.
-STANDARD_ENV = STANDARD.with_suffix(".env.json")
+from ._standards import assert_matches_standard, repeatable, write_standard
 
-
-def _cpu_model() -> str:
-    """The processor's name and a digest of its feature flags: virtual machines often report one generic
-    name for different hosts, whose flags (and rounding) differ."""
-    import hashlib
-
-    name, flags = "", ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and not name:
-                    name = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = " ".join(sorted(value.split()))
-    except OSError:
-        import platform
-
-        name = platform.processor() or platform.machine()
-    return f"{name} [flags {hashlib.sha256(flags.encode()).hexdigest()[:12]}]"
-
-
-def _environment() -> dict[str, str]:
-    import diffusers
-
-    return {
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        # Rounding can differ between processors of one instruction set (kernel choice, FMA use).
-        "cpu_model": _cpu_model(),
-    }
-
-
-def _repeatable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in m.items() if not k.startswith(TIMING_PREFIX)} for m in history]
+STANDARD = "tiny_flow_grpo"  # tests/diffusion/standards/tiny_flow_grpo*.json
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +38,7 @@ def full_run() -> list[dict[str, float]]:
 def test_every_metric_matches_the_committed_standard_bit_for_bit(
     full_run: list[dict[str, float]],
 ) -> None:
-    standard = json.loads(STANDARD.read_text())
-    got = _repeatable(full_run)
-    assert len(got) == len(standard)
-    same_environment = json.loads(STANDARD_ENV.read_text()) == _environment()
-    for iteration, (mine, theirs) in enumerate(zip(got, standard, strict=True)):
-        assert mine.keys() == theirs.keys(), iteration
-        if not same_environment and iteration > 0:
-            continue  # rounding differences compound over training steps on other hardware
-        for key, value in theirs.items():
-            if same_environment:
-                assert mine[key] == value, (iteration, key, mine[key].hex(), float(value).hex())
-            else:  # the first iteration still agrees closely: the same computation, other rounding
-                assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (iteration, key)
+    assert_matches_standard(STANDARD, full_run)
 
 
 @pytest.mark.slow
@@ -105,12 +56,12 @@ def test_two_deterministic_runs_are_equal_bit_for_bit(tmp_path: Path) -> None:
     switch_before = torch.are_deterministic_algorithms_enabled()
     a = run(recipe, tmp_path / "a")
     b = run(recipe, tmp_path / "b")
-    assert _repeatable(a) == _repeatable(b)
+    assert repeatable(a) == repeatable(b)
     assert torch.are_deterministic_algorithms_enabled() == switch_before  # restored after a run
     lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == a
     other = run(replace(recipe, seed=1))
-    assert _repeatable(other) != _repeatable(a)
+    assert repeatable(other) != repeatable(a)
 
 
 def test_deterministic_mode_refuses_unknown_attention_backends() -> None:
@@ -129,8 +80,4 @@ def test_deterministic_mode_refuses_unknown_attention_backends() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    history = _repeatable(run(load_recipe("tiny_flow_grpo")))
-    STANDARD.parent.mkdir(parents=True, exist_ok=True)
-    STANDARD.write_text(json.dumps(history, indent=1) + "\n")
-    STANDARD_ENV.write_text(json.dumps(_environment(), indent=1) + "\n")
-    print(f"wrote {STANDARD} ({len(history)} iterations)")
+    print(f"wrote {write_standard(STANDARD, run(load_recipe('tiny_flow_grpo')))}")
