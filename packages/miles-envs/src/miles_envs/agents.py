@@ -34,7 +34,7 @@ async def tool_agent(task: AgentTask) -> AgentResult:
         import openai
     except ImportError:
         raise ComponentError(
-            "the built-in agent 'tool_agent' needs the openai package: pip install 'miles-core[agentic]'"
+            "the built-in agent 'tool_agent' needs the openai package: pip install openai (a dependency of miles-envs)"
         ) from None
     client = openai.AsyncOpenAI(
         base_url=task.base_url,

@@ -65,7 +65,7 @@ LIBRARIES: dict[str, Provider] = {
     "pyarrow": Provider("parquet"),
     "datasets": Provider("datasets"),
     "ray": Provider("ray"),
-    "openai": Provider("agentic"),
+    "openai": _ENVS,
     "sglang": Provider("sglang"),
     "megatron": Provider("megatron", "miles-megatron"),
     "miles_fsdp": _FSDP,

@@ -185,7 +185,7 @@ async def terminal_agent(task: AgentTask) -> AgentResult:
         import openai
     except ImportError:
         raise ComponentError(
-            "the 'terminal' agent needs the openai package: pip install 'miles-core[agentic]'"
+            "the 'terminal' agent needs the openai package: pip install openai (a dependency of miles-envs)"
         ) from None
     terminal_task = task_from_metadata(task.metadata)
     opts = episode_options(task.options, task.metadata.get(ENV_KEY))
