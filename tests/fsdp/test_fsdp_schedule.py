@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from fsdp.helpers import make_batch, make_spec
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError
-from miles_fsdp.schedule import decay_steps, lr_multiplier
+from miles.lr_schedule import decay_steps, lr_multiplier
 
 
 def _hf_factors(name: str, warmup: int, total: int, n: int, **kwargs) -> list[float]:
@@ -32,6 +32,10 @@ def test_constant_schedule_is_the_old_warmup_formula():
         f = lr_multiplier(TrainSection(warmup_steps=warmup), None)
         old = [min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0 for s in range(10)]
         assert [f(s) for s in range(10)] == old
+        # the closed form is transformers' constant_with_warmup under the first-step convention
+        hf = _hf_factors("constant_with_warmup", warmup, 10, 11)
+        expected = [hf[s + 1] if s < warmup else hf[s] for s in range(10)]
+        assert [f(s) for s in range(10)] == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,8 @@ from miles._plugins.manager import (
 )
 
 __all__ = [
-    "DISABLE_ENV",
     "CORE_KIND_GROUPS",
+    "DISABLE_ENV",
     "HOOKS_GROUP",
     "KINDS_GROUP",
     "STRICT_ENV",

@@ -70,7 +70,7 @@ class FSDPBackend:
         if self._ranks is not None and self._ranks.broken is None:
             raise RuntimeError("FSDPBackend.setup called twice; shut it down first")
         self.train_opts, self.opts = _validate_options(spec.options)
-        from miles_fsdp.schedule import decay_steps
+        from miles.lr_schedule import decay_steps
 
         decay_steps(self.train_opts, spec.config)  # a schedule with nothing to span fails here, once
         launcher = spec.placement.get("launcher", "local")

@@ -32,6 +32,7 @@ from miles.interfaces import (
     LossOutput,
     TransportStats,
 )
+from miles.lr_schedule import decay_steps, lr_multiplier
 from miles_fsdp import checkpoint
 from miles_fsdp import lora as lora_mod
 from miles_fsdp.batching import OLD_LOGPROBS, MicroBatchTensors, RankBatch, collate
@@ -47,7 +48,6 @@ from miles_fsdp.models import (
     shard,
     source_dtype,
 )
-from miles_fsdp.schedule import decay_steps, lr_multiplier
 from miles_fsdp.weights import iter_full_tensors
 
 log = logging.getLogger(__name__)

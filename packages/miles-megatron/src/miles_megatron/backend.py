@@ -130,7 +130,7 @@ class MegatronBackend:
         validate_component_ref("loss", spec.loss)
         if spec.correction:
             validate_component_ref("correction", spec.correction)
-        from miles_megatron.schedule import decay_steps
+        from miles.lr_schedule import decay_steps
 
         decay_steps(train, spec.config)  # a decaying schedule with nothing to span fails here, once
         self.spec, self.train_opts, self.options, self.layout = spec, train, options, layout

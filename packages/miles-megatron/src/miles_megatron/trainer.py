@@ -45,6 +45,7 @@ import torch.distributed as dist
 from miles.config.schema import TrainSection
 from miles.errors import ComponentError, ModelError
 from miles.interfaces import BackendSpec, CorrectionOutput, LossInputs, LossOutput, TransportStats
+from miles.lr_schedule import decay_steps, lr_multiplier
 from miles_megatron.batch import OLD_LOGPROBS, MicroBatch, Row, collate, token_logprobs
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import Spec, hf_to_megatron
@@ -53,7 +54,6 @@ from miles_megatron.hf_config import HFModel
 from miles_megatron.layout import ParallelLayout
 from miles_megatron.offload import StorageOffloader
 from miles_megatron.parallel import megatron_parallel
-from miles_megatron.schedule import decay_steps, lr_multiplier
 
 log = logging.getLogger(__name__)
 

@@ -461,7 +461,6 @@ def component_options_schema(kind: str, ref: str) -> dict[str, Any] | None:
 
 __all__ = [
     "CORE_OPTION_KINDS",
-    "option_kinds",
     "OptionField",
     "OptionSlot",
     "RecipeOrigin",
@@ -469,6 +468,7 @@ __all__ = [
     "component_options_schema",
     "describe_option_errors",
     "option_fields",
+    "option_kinds",
     "option_slots",
     "origin_of",
     "remember_origin",

@@ -1,24 +1,23 @@
-"""Learning-rate schedules: transformers' warmup + constant / linear / cosine multipliers.
+"""What ``train.lr_schedule`` means, for every training backend: warmup, then constant / linear / cosine.
 
-The multiplier of optimizer step ``s`` (counting from 0, as ``LambdaLR`` does) is
-transformers' schedule function ``f`` at ``s`` — except during warmup, where it is
-``f(s + 1)``: the first step already trains at ``lr / warmup_steps`` (transformers' own
-warmup starts at 0, an optimizer step that changes nothing), and the peak is reached at
-step ``warmup_steps - 1`` and held one step. After warmup the decay is transformers'
-unchanged, spanning ``decay_steps`` optimizer steps in all (warmup included), so the last
-step of a run of ``decay_steps`` steps still has a small positive rate.
+The multiplier of optimizer step ``s`` (counting from 0, as ``LambdaLR`` does) is transformers'
+schedule function ``f`` at ``s``, except during warmup, where it is ``f(s + 1)``: the first step
+already trains at ``lr / warmup_steps`` (transformers' own warmup starts at 0, an optimizer step
+that changes nothing), and the peak is reached at step ``warmup_steps - 1`` and held one step.
+After warmup the decay is transformers' unchanged, spanning ``decay_steps`` optimizer steps in all
+(warmup included), so the last step of a run of ``decay_steps`` steps still has a small positive
+rate.
 
-The constant schedule with ``warmup_steps: 0`` is exactly 1.0 on every step, and with
-warmup it is ``min(1, (s + 1) / warmup_steps)``: what the trainer did before schedules
-could be chosen.
+The constant schedule is its closed form, ``min(1, (s + 1) / warmup_steps)`` (exactly 1.0 on every
+step without warmup), which is what transformers' ``constant_with_warmup`` gives under that
+convention; it spares a rank process importing transformers. A backend applies the multiplier
+through ``LambdaLR`` or by setting its optimizer's rate before each step; the numbers are the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError
@@ -49,7 +48,11 @@ def decay_steps(train: TrainSection, config: dict[str, Any] | None) -> int | Non
 
 
 def lr_multiplier(train: TrainSection, total_steps: int | None) -> Callable[[int], float]:
-    """The factor ``LambdaLR`` applies to ``lr`` at optimizer step ``s`` (see the module docstring)."""
+    """The factor on ``train.lr`` at optimizer step ``step`` (from 0; see the module docstring)."""
+    warmup = train.warmup_steps
+    if train.lr_schedule == "constant":
+        return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+    import torch
     from transformers import get_scheduler
 
     name = _HF_NAMES[train.lr_schedule]
@@ -58,15 +61,13 @@ def lr_multiplier(train: TrainSection, total_steps: int | None) -> Callable[[int
         name, kwargs = "cosine_with_min_lr", {"min_lr_rate": train.min_lr_ratio}
     # transformers builds its schedules on an optimizer; a throwaway one lends us the function alone.
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    schedule = get_scheduler(
+    f = get_scheduler(
         name,
         probe,
         num_warmup_steps=train.warmup_steps,
         num_training_steps=total_steps,
         scheduler_specific_kwargs=kwargs or None,
-    )
-    f = schedule.lr_lambdas[0]
-    warmup = train.warmup_steps
+    ).lr_lambdas[0]
 
     def multiplier(step: int) -> float:
         return float(f(step + 1 if step < warmup else step))
