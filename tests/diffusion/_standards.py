@@ -23,6 +23,25 @@ import torch
 
 from miles_diffusion.train import TIMING_PREFIX
 
+
+def run_recipe(name: str, iterations: int | None = None) -> list[dict[str, float]]:
+    """Run a built-in recipe (cut to ``iterations``) on one thread, as its standard was made."""
+    from dataclasses import replace
+
+    from miles_diffusion.recipe import load_recipe
+    from miles_diffusion.train import run
+
+    recipe = load_recipe(name)
+    if iterations is not None:
+        recipe = replace(recipe, num_iterations=iterations)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run(recipe)
+    finally:
+        torch.set_num_threads(threads)
+
+
 STANDARDS = Path(__file__).parent / "standards"
 
 

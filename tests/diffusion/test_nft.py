@@ -1,36 +1,23 @@
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from miles_diffusion.model import TinyFlowModelConfig, build_tiny_model, flow_matching_error
 from miles_diffusion.nft import DiffusionNFTConfig, DiffusionNFTTrainer, nft_loss, optimality_probability
 from miles_diffusion.objectives import Rollout, TrainerConfig
-from miles_diffusion.recipe import load_recipe
 from miles_diffusion.sampler import SamplerConfig, sample
-from miles_diffusion.train import run
 
-from ._standards import assert_matches_standard, write_standard
+from ._standards import assert_matches_standard, run_recipe, write_standard
 
 PROXY_ITERATIONS = 6
 """The proxy of ``tiny_diffusion_nft`` its committed standard records: the recipe, 6 iterations."""
 PROXY_STANDARD = "tiny_diffusion_nft_proxy"
 
 
-def _proxy_run() -> list[dict[str, float]]:
-    return run(replace(load_recipe("tiny_diffusion_nft"), num_iterations=PROXY_ITERATIONS))
-
-
 @pytest.fixture(scope="module")
 def proxy_run() -> list[dict[str, float]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _proxy_run()
-    finally:
-        torch.set_num_threads(threads)
+    return run_recipe("tiny_diffusion_nft", PROXY_ITERATIONS)
 
 
 def test_optimality_probability_maps_clipped_group_advantages_onto_0_1() -> None:
@@ -116,4 +103,4 @@ def test_the_nft_proxy_matches_its_committed_standard(proxy_run: list[dict[str, 
 
 if __name__ == "__main__":  # regenerate the standard: uv run python -m tests.diffusion.test_nft
     torch.set_num_threads(1)
-    print(f"wrote {write_standard(PROXY_STANDARD, _proxy_run())}")
+    print(f"wrote {write_standard(PROXY_STANDARD, run_recipe('tiny_diffusion_nft', PROXY_ITERATIONS))}")

@@ -1,36 +1,23 @@
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from miles_diffusion.datasets import PALETTE, ShapesDatasetConfig, build_shapes_dataset, class_mean_colours
 from miles_diffusion.model import TinyFlowModelConfig, build_tiny_model
 from miles_diffusion.objectives import TrainerConfig
-from miles_diffusion.recipe import load_recipe
 from miles_diffusion.sft import SFTConfig, SFTTrainer, evaluation_loss
-from miles_diffusion.train import run
 
-from ._standards import assert_matches_standard, write_standard
+from ._standards import assert_matches_standard, run_recipe, write_standard
 
 PROXY_ITERATIONS = 12
 """The proxy of ``tiny_sft`` its committed standard records: the recipe, 12 iterations."""
 PROXY_STANDARD = "tiny_sft_proxy"
 
 
-def _proxy_run() -> list[dict[str, float]]:
-    return run(replace(load_recipe("tiny_sft"), num_iterations=PROXY_ITERATIONS))
-
-
 @pytest.fixture(scope="module")
 def proxy_run() -> list[dict[str, float]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _proxy_run()
-    finally:
-        torch.set_num_threads(threads)
+    return run_recipe("tiny_sft", PROXY_ITERATIONS)
 
 
 def test_the_shapes_dataset_is_reproducible_and_coloured_by_prompt() -> None:
@@ -83,4 +70,4 @@ def test_the_sft_proxy_matches_its_committed_standard(proxy_run: list[dict[str, 
 
 if __name__ == "__main__":  # regenerate the standard: uv run python -m tests.diffusion.test_sft
     torch.set_num_threads(1)
-    print(f"wrote {write_standard(PROXY_STANDARD, _proxy_run())}")
+    print(f"wrote {write_standard(PROXY_STANDARD, run_recipe('tiny_sft', PROXY_ITERATIONS))}")

@@ -19,19 +19,14 @@ from miles_diffusion.deterministic import check_attention_backends
 from miles_diffusion.recipe import load_recipe
 from miles_diffusion.train import run
 
-from ._standards import assert_matches_standard, repeatable, write_standard
+from ._standards import assert_matches_standard, repeatable, run_recipe, write_standard
 
 STANDARD = "tiny_flow_grpo"  # tests/diffusion/standards/tiny_flow_grpo*.json
 
 
 @pytest.fixture(scope="module")
 def full_run() -> list[dict[str, float]]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return run(load_recipe("tiny_flow_grpo"))
-    finally:
-        torch.set_num_threads(threads)
+    return run_recipe(STANDARD)
 
 
 @pytest.mark.slow
@@ -80,4 +75,4 @@ def test_deterministic_mode_refuses_unknown_attention_backends() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(f"wrote {write_standard(STANDARD, run(load_recipe('tiny_flow_grpo')))}")
+    print(f"wrote {write_standard(STANDARD, run_recipe(STANDARD))}")
