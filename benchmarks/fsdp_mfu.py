@@ -66,10 +66,22 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 # name -> fsdp options on top of the common ones (micro_batch_size comes from --micro-batch).
+# Packed configurations load with the backend's default for packing (miles_varlen: torch's varlen
+# flash kernel from the samples' boundaries) unless they name another; "-sdpa" is transformers'
+# own packed path (a block-diagonal mask from the position ids), the one measured before.
 CONFIGS: dict[str, dict[str, Any]] = {
     "padded-full": {},
     "padded-chunked": {"logprob_projection": "chunked"},
+    "packed-chunked-sdpa": {
+        "logprob_projection": "chunked",
+        "max_tokens_per_gpu": None,
+        "attn_implementation": "sdpa",
+    },
     "packed-chunked": {"logprob_projection": "chunked", "max_tokens_per_gpu": None},  # set from args
+    "packed-full": {"max_tokens_per_gpu": None},
+    "padded-full-compiled": {"compile": True},
+    "packed-full-compiled": {"max_tokens_per_gpu": None, "compile": True},
+    "packed-chunked-compiled": {"logprob_projection": "chunked", "max_tokens_per_gpu": None, "compile": True},
 }
 
 
@@ -131,9 +143,9 @@ def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_
             "param_dtype": "bfloat16" if cuda else None,
             "reduce_dtype": "float32" if cuda else None,
             "gradient_checkpointing": args.gradient_checkpointing,
-            "attn_implementation": args.attn,
             "startup_timeout_s": 600,
             "command_timeout_s": 600,
+            **({"attn_implementation": args.attn} if args.attn else {}),
             **fsdp,
         },
     }
@@ -199,10 +211,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument(
-        "--attn", default="sdpa", help="transformers attention backend (sdpa, flex_attention...)"
+        "--attn",
+        default=None,
+        help="transformers attention backend for every configuration (default: the backend's own choice, "
+        "sdpa padded and miles_varlen packed, unless the configuration names one)",
     )
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H200: 989)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
+    parser.add_argument(
+        "--configs",
+        default="padded-full,packed-chunked-sdpa,packed-chunked,packed-full,padded-full-compiled,packed-full-compiled",
+        help=f"comma-separated, of {list(CONFIGS)}",
+    )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles.errors import ComponentError
 from miles.types import Sample, TrainBatch
@@ -251,18 +251,24 @@ class MicroBatchTensors:
     # Packed: [1, T] positions restarting at 0 for each sample, which is how the model (transformers'
     # packed-sequence masks, flash-attention's varlen path) keeps samples from attending to each other.
     position_ids: torch.Tensor | None = None
+    # Packed: the samples' boundaries as transformers' variable-length attention keyword arguments
+    # (``cu_seq_lens_q`` ...), which attention backends that take boundaries read (miles_varlen,
+    # flash_attention_2) and the mask-based ones ignore.
+    boundaries: dict[str, Any] | None = None
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
+    def model_inputs(self) -> dict[str, Any]:
         """The keyword arguments of the model's forward for this micro-batch."""
         if self.position_ids is None:
             return {"input_ids": self.input_ids}
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, **(self.boundaries or {})}
 
 
 def collate(
     rows: list[Row], device: torch.device | str, pad_id: int = 0, *, packed: bool = False
 ) -> MicroBatchTensors:
     import torch
+
+    from miles_fsdp.attention import segment_kwargs
 
     b = len(rows)
     seq_len = sum(r.num_tokens for r in rows) if packed else max(r.num_tokens for r in rows)
@@ -319,4 +325,5 @@ def collate(
         num_loss_tokens=int(sum(sum(r.loss_mask) for r in rows)),
         scores={name: t.to(device) for name, t in scores.items()},
         position_ids=positions.to(device) if packed else None,
+        boundaries=segment_kwargs([r.num_tokens for r in rows], device) if packed else None,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -28,6 +28,15 @@ class FSDPOptions(BaseModel):
         description="free gathered parameters after forward (less memory, one more all-gather in backward)",
     )
     gradient_checkpointing: bool = Field(False, description="recompute decoder-layer activations in backward")
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (fuses its norms, rotary embedding and activation "
+        "into few kernels; the first steps pay the compilation); FSDP's own hooks stay eager",
+    )
+    compile_backend: str = Field(
+        "inductor",
+        description="torch.compile backend for fsdp.compile (inductor; aot_eager traces without codegen)",
+    )
     attn_implementation: str | None = Field(
         None,
         description="transformers attention backend (sdpa, eager, flash_attention_2...); None: its default",
@@ -67,3 +76,19 @@ class FSDPOptions(BaseModel):
     command_timeout_s: float = Field(
         3600.0, gt=0, description="limit for one train/save/sync command on the ranks"
     )
+
+    @model_validator(mode="after")
+    def _known_compile_backend(self) -> FSDPOptions:
+        if not self.compile and "compile_backend" in self.model_fields_set:
+            raise ValueError("fsdp.compile_backend is set but fsdp.compile is false: set fsdp.compile: true")
+        if self.compile:
+            # Only when asked: importing dynamo costs about a second.
+            import torch._dynamo
+
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in known:
+                raise ValueError(
+                    f"fsdp.compile_backend {self.compile_backend!r} is not a torch.compile backend; "
+                    f"known: {', '.join(sorted(known))}"
+                )
+        return self

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from miles.errors import ModelError
+from miles_fsdp import attention
 from miles_fsdp.config import FSDPOptions
 
 if TYPE_CHECKING:
@@ -61,11 +62,28 @@ def load_causal_lm(path: str, opts: FSDPOptions, role: str) -> PreTrainedModel:
 
     load_config(path, role)
     kwargs: dict[str, Any] = {"dtype": torch.float32}
-    if opts.attn_implementation:
-        kwargs["attn_implementation"] = opts.attn_implementation
+    attn = attention_backend(opts)
+    if attn:
+        kwargs["attn_implementation"] = attn
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if attn == attention.NAME:
+        attention.check_model(model, role)
     model.config.use_cache = False  # training and scoring never decode
     return model
+
+
+def attention_backend(opts: FSDPOptions) -> str | None:
+    """The transformers attention backend the models load with.
+
+    The one the recipe names; else, for packed micro-batches, ``miles_varlen`` (attention within each
+    sample from its boundaries, no mask); else transformers' default.
+    """
+    if opts.attn_implementation:
+        return opts.attn_implementation
+    if opts.max_tokens_per_gpu is not None:
+        attention.register()
+        return attention.NAME
+    return None
 
 
 class ValueModel(nn.Module):
@@ -83,8 +101,12 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
         self._no_split_modules = getattr(backbone, "_no_split_modules", None)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **attention_kwargs: Any
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, position_ids=position_ids, **attention_kwargs
+        ).last_hidden_state
         # A fresh tensor, not a view: FSDP2 hooks the root module's output for backward.
         return self.value_head(hidden).squeeze(-1).float().clone()
 
@@ -98,8 +120,9 @@ def load_value_model(path: str, opts: FSDPOptions) -> ValueModel:
             f"fsdp: the critic's config at {path!r} has no hidden_size; cannot attach a value head"
         )
     kwargs: dict[str, Any] = {"dtype": torch.float32}
-    if opts.attn_implementation:
-        kwargs["attn_implementation"] = opts.attn_implementation
+    attn = attention_backend(opts)
+    if attn:
+        kwargs["attn_implementation"] = attn
     from transformers.utils import logging as hf_logging
 
     # A causal-LM checkpoint has an lm_head the backbone does not take; that is expected, not news.
@@ -109,6 +132,8 @@ def load_value_model(path: str, opts: FSDPOptions) -> ValueModel:
         backbone = AutoModel.from_pretrained(path, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
+    if attn == attention.NAME:
+        attention.check_model(backbone, "critic")
     backbone.config.use_cache = False
     return ValueModel(backbone)
 
@@ -125,6 +150,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, opts: FSDPOptions, role: str) -> n
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=opts.reshard_after_forward)
+    if opts.compile:
+        compile_layers(layers, opts.compile_backend)
     # The loss is already divided by the global token count, so ranks' gradients must be
     # summed, not averaged: a plain SUM reduce-scatter with no division.
     for mod in model.modules():
@@ -132,6 +159,24 @@ def shard(model: nn.Module, mesh: DeviceMesh, opts: FSDPOptions, role: str) -> n
             mod.set_force_sum_reduction_for_comms(True)
             mod.set_gradient_divide_factor(1.0)
     return model
+
+
+def compile_layers(layers: list[nn.Module], backend: str) -> None:
+    """``torch.compile`` every decoder layer in place (``nn.Module.compile``: names and state dicts
+    are unchanged, so checkpoints, exports and weight updates see the same parameters).
+
+    A layer, not the whole model: the layers are identical, so one compiled graph serves all of
+    them (parameters are graph inputs), the compile stays small, and FSDP2's per-layer hooks, which
+    dynamo skips, run eagerly around each compiled layer. Shapes change between micro-batches
+    (padded lengths, packed token counts), so they are compiled dynamic from the second shape on.
+    """
+    import torch._dynamo
+
+    # Each new shape recompiles once before dynamo marks it dynamic; room for the layers' variants
+    # (training, no_grad scoring) beyond torch's default of 8 per code object.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in layers:
+        layer.compile(backend=backend)
 
 
 def check_projectable(model: nn.Module, role: str) -> None:
