@@ -9,7 +9,10 @@ temperature 1, no stop, exactly ``--output`` new tokens each):
 
 - ``hf``: ``model.generate`` (DynamicCache, ``do_sample``);
 - ``dynamic``: the embedded engine on its DynamicCache path (``kv_cache="dynamic"``);
-- ``paged``: the embedded engine's paged fast path (``kv_cache="paged"``, CUDA graphs).
+- ``paged``: the embedded engine's paged fast path (``kv_cache="paged"``, CUDA graphs, decode
+  step N+1 launched before step N is read);
+- ``paged-sync``: the same, reading every decode step before launching the next (``overlap=False``),
+  to measure what the overlap gains.
 
 The engines are driven in-process through their scheduler (the same queue ``/generate``
 feeds, without HTTP). Reported: output tokens/s over the whole batch, time to first token
@@ -142,7 +145,7 @@ def profile_graphs(engine: Any, batches: list[int]) -> None:
     for b in batches:
         if not graphs.fits(b):
             continue
-        packed = [[1] * b, [0] * b, [0] * b, [0] * b]
+        packed = [[1] * b, [0] * b, [0] * b, [0] * b, [-1] * b]
         graphs.replay(packed)
         bs = next(s for s in graphs.sizes if s >= b)
         graph = graphs._graphs[bs][0]
@@ -225,10 +228,11 @@ def main() -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    for path in ("dynamic", "paged"):
+    for path in ("dynamic", "paged", "paged-sync"):
         if path not in paths:
             continue
-        todo = [b for b in batches if path == "paged" or b <= args.dynamic_max_batch]
+        paged = path.startswith("paged")
+        todo = [b for b in batches if paged or b <= args.dynamic_max_batch]
         if not todo:
             continue
         t0 = time.perf_counter()
@@ -236,7 +240,8 @@ def main() -> None:
             model_path=str(tmp / "model"),
             device="cuda",
             dtype="bfloat16",
-            kv_cache=path,
+            kv_cache="paged" if paged else path,
+            overlap=path != "paged-sync",
             max_batch_size=max(todo),
             prefix_cache_tokens=0,
             mem_fraction=0.85,  # a dedicated engine (the measured figures used this pool size)
@@ -265,7 +270,7 @@ def main() -> None:
     print("| batch | path | output tok/s | TTFT (s) | bandwidth-limit fraction | × HF generate |")
     print("| --- | --- | --- | --- | --- | --- |")
     for b in batches:
-        for path in ("hf", "dynamic", "paged"):
+        for path in ("hf", "dynamic", "paged-sync", "paged"):
             r = by.get((path, b))
             if r is None:
                 continue

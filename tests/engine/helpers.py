@@ -155,7 +155,7 @@ def generate_in_process(
     reqs = []
     for i, p in enumerate(prompts):
         own = per_prompt[i] if per_prompt is not None else {}
-        req = greedy_request(engine, p, max_new_tokens=max_new_tokens, **(params | own))
+        req = greedy_request(engine, p, **({"max_new_tokens": max_new_tokens} | params | own))
         req.on_done = lambda r: done.release()
         reqs.append(req)
     for r in reqs:

@@ -3,8 +3,14 @@
 Each running request holds one row of the device-side request tables (its block
 table row, temperature, top-p, top-k, seed); row 0 is scratch, used by the padded
 rows of a CUDA graph. A decode step uploads one small int64 tensor (token, position,
-slot and table row of each query) and reads back one (sampled ids and log-probs):
-nothing else crosses between host and device per step.
+slot, table row and source of each query) and reads back one (sampled ids and
+log-probs): nothing else crosses between host and device per step.
+
+Decode steps are *launched* and *read* separately (``launch_decode`` returns a
+``PendingDecode``): the host can launch step N+1 before it reads step N, feeding each
+request the token step N sampled for it straight from the device (``last_tokens``),
+so the host's bookkeeping of step N runs while the device computes step N+1. The
+read-back goes to pinned host memory behind a CUDA event, so only the read waits.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class PagedOptions:
     chunk_tokens: int = 8192  # most prefill tokens one step feeds (chunked prefill)
     cuda_graphs: bool = True
     max_batch_size: int = 64
+    overlap: bool = True  # launch decode step N+1 before reading step N (see the module docstring)
 
 
 @dataclass(eq=False)
@@ -43,12 +50,73 @@ class SeqState:
     kv_len: int = 0  # tokens whose key and value are in the pool
     row: int = -1  # device table row; -1 when not running
     filtered: bool = False  # top-k or top-p: sampled after the graph, by the sorting path
+    routed: bool = False  # the request asked for the experts its tokens are routed to (MoE)
+
+
+# The routed experts of tokens a state fed in one step: (state, position of the first token,
+# int32 [tokens, sparse layers, top_k] on the CPU).
+RoutedTokens = tuple[SeqState, int, torch.Tensor]
 
 
 @dataclass
 class Sampled:
     tokens: list[int]
     logprobs: list[float]
+    routed: list[RoutedTokens] = field(default_factory=list)  # for the states that asked (MoE)
+
+
+class RoutedCopy:
+    """The routed experts of some tokens of a step, on their way to the host.
+
+    Started right after the step's forward, before its read-back, without blocking the host
+    (pinned memory behind a CUDA event): it adds no synchronisation, and a later step writing
+    the same graph buffer runs after it on the stream. ``entries()`` waits for it."""
+
+    def __init__(
+        self, routed: torch.Tensor, index: list[int] | None, owners: list[tuple[SeqState, int, int, int]]
+    ) -> None:
+        self.owners = owners  # (state, first position, first copied row, count)
+        picked = routed if index is None else routed[:, torch.tensor(index, device=routed.device)]
+        rows = picked.to(torch.int32).permute(1, 0, 2).contiguous()  # [tokens, sparse layers, top_k]
+        self._event: Any = None
+        if rows.is_cuda:
+            self._host = rows.to("cpu", non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = rows
+
+    def entries(self) -> list[RoutedTokens]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [(st, first, self._host[at : at + n].clone()) for st, first, at, n in self.owners]
+
+
+class PendingDecode:
+    """A decode step launched on the device; ``read()`` waits for it and returns its samples."""
+
+    def __init__(self, tokens: Any, logprobs: Any, staging: Any | None) -> None:
+        n = int(tokens.shape[0])
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        self._event: Any = None
+        if staging is None:  # the CPU: the step has already run
+            self._host = both
+        else:  # copied to pinned memory without blocking the host; the event marks its end
+            self._host = staging[:, :n]
+            self._host.copy_(both, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._read: Sampled | None = None
+        self.routed: RoutedCopy | None = None  # set by the runner when a state asked for its routing
+
+    def read(self) -> Sampled:
+        if self._read is None:
+            if self._event is not None:
+                self._event.synchronize()
+            both = self._host.tolist()
+            routed = self.routed.entries() if self.routed is not None else []
+            self._read = Sampled([int(t) for t in both[0]], both[1], routed)
+        return self._read
 
 
 class PagedRunner:
@@ -85,10 +153,22 @@ class PagedRunner:
         self.top_k = torch.full((rows,), self.vocab_size, dtype=torch.int64, device=device)
         self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
         self._free_rows = list(range(rows - 1, 0, -1))
+        # The tokens the last decode step sampled, in its query order: the next step's inputs when
+        # the host launches it before reading this one.
+        self.last_tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        # Two pinned read-back buffers, alternated: step N is read while step N+1 copies into the other.
+        self._staging = (
+            [torch.empty(2, rows, dtype=torch.float64, pin_memory=True) for _ in range(2)]
+            if device.type == "cuda"
+            else None
+        )
+        self._launches = 0
         self._writes: list[tuple[int, int, int]] = []  # pending (row, column, block) table writes
         self.graphs: DecodeGraphs | None = None
         self._released_at: tuple[int, int] | None = None  # the pool's addresses when it was released
-        if device.type == "cuda" and options.cuda_graphs:
+        if device.type == "cuda" and options.cuda_graphs and self.model.graph_reason is not None:
+            log.info("CUDA graphs off: %s", self.model.graph_reason)
+        elif device.type == "cuda" and options.cuda_graphs:
             self.graphs = DecodeGraphs(self, options.max_batch_size)
         log.info(
             "paged KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB); chunked prefill %d tokens; "
@@ -193,14 +273,42 @@ class PagedRunner:
             attn=meta,
         )
         logits = self.model.forward(step) if logit_rows or ids else None
+        routed = self._copy_prefill_routing(chunks)
         for state, tokens, _ in chunks:
             state.kv_len += len(tokens)
         if not sampled:
-            return Sampled([], [])
+            return Sampled([], [], routed.entries() if routed is not None else [])
         assert logits is not None
         rows = torch.tensor([s.row for s in sampled], dtype=torch.long, device=dev)
         pos = torch.tensor([s.kv_len for s in sampled], dtype=torch.long, device=dev)
-        return self._sample(logits, rows, pos)
+        out = self._sample(logits, rows, pos)
+        if routed is not None:
+            out.routed = routed.entries()
+        return out
+
+    def _copy_prefill_routing(self, chunks: list[tuple[SeqState, list[int], bool]]) -> RoutedCopy | None:
+        """Start copying the routed experts of the chunks whose state asked (before ``kv_len``
+        advances past them); None when none did or the model has no sparse layer."""
+        if not self.model.num_sparse:
+            return None
+        index: list[int] = []
+        owners: list[tuple[SeqState, int, int, int]] = []
+        flat = 0
+        for state, tokens, _ in chunks:
+            if state.routed:
+                owners.append((state, state.kv_len, len(index), len(tokens)))
+                index.extend(range(flat, flat + len(tokens)))
+            flat += len(tokens)
+        if not owners:
+            return None
+        return RoutedCopy(self.model.routed, None if len(index) == flat else index, owners)
+
+    def _copy_decode_routing(self, states: list[SeqState], positions: list[int]) -> RoutedCopy | None:
+        """The same for a decode step: the whole (small) buffer is copied, no index is uploaded."""
+        if not self.model.num_sparse:
+            return None
+        owners = [(s, p, i, 1) for i, (s, p) in enumerate(zip(states, positions, strict=True)) if s.routed]
+        return RoutedCopy(self.model.routed, None, owners) if owners else None
 
     def _sampling(self, rows: Any, positions: Any) -> SamplingTensors:
         top_k, top_p = self.top_k[rows], self.top_p[rows]
@@ -214,47 +322,72 @@ class PagedRunner:
         )
 
     def _sample(self, logits: Any, rows: Any, positions: Any, filtered: bool | None = None) -> Sampled:
+        return _read(*self._sample_device(logits, rows, positions, filtered))
+
+    def _sample_device(
+        self, logits: Any, rows: Any, positions: Any, filtered: bool | None = None
+    ) -> tuple[Any, Any]:
+        """Sampled tokens and their log-probs, left on the device."""
         st = self._sampling(rows, positions)
         if filtered is None:
             filtered = bool(((st.top_k < self.vocab_size) | (st.top_p < 1.0)).any())
         st.filtered = filtered
-        tokens, logprobs = sample(logits, st)
-        return _read(tokens, logprobs)
+        return sample(logits, st)
 
     @torch.inference_mode()
     def decode(self, states: list[SeqState], last_tokens: list[int], filtered: bool) -> Sampled:
         """Feed each state's pending token (at position ``kv_len``, its slot allocated); sample."""
+        return self.launch_decode(states, last_tokens, [-1] * len(states), filtered).read()
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, states: list[SeqState], tokens: list[int], sources: list[int], filtered: bool
+    ) -> PendingDecode:
+        """Launch the decode step of ``states`` without waiting for it.
+
+        Query ``i`` feeds ``tokens[i]``, or, where ``sources[i] >= 0``, the token the previous
+        launch sampled for its query ``sources[i]`` (not read by the host yet). Each state's slot
+        at ``kv_len`` must be allocated; ``kv_len`` advances now."""
         self._flush_writes()
         n = len(states)
         bs = self.options.block_size
         positions = [s.kv_len for s in states]
         slots = [s.blocks[p // bs] * bs + p % bs for s, p in zip(states, positions, strict=True)]
-        packed = [last_tokens, positions, slots, [s.row for s in states]]
+        packed = [tokens, positions, slots, [s.row for s in states], sources]
         for s in states:
             s.kv_len += 1
         if self.graphs is not None and self.graphs.fits(n):
-            logits, tokens, logprobs = self.graphs.replay(packed)
-            if not filtered:
-                return _read(tokens, logprobs)
-            rows = torch.tensor(packed[3], dtype=torch.long, device=self.device)
-            pos = torch.tensor(packed[1], dtype=torch.long, device=self.device) + 1
-            return self._sample(logits, rows, pos, filtered=True)
-        host = torch.tensor(packed, dtype=torch.long)
-        dev = host.to(self.device)
-        ids, pos, slot_t, rows = dev[0], dev[1], dev[2], dev[3]
-        meta: GatherMeta | PagedMeta
-        if self.device.type == "cuda":
-            meta = PagedMeta(self.block_tables, rows.to(torch.int32), (pos + 1).to(torch.int32))
+            logits, out_tokens, logprobs = self.graphs.replay(packed)
+            if filtered:
+                rows = torch.tensor(packed[3], dtype=torch.long, device=self.device)
+                pos = torch.tensor(packed[1], dtype=torch.long, device=self.device) + 1
+                out_tokens, logprobs = self._sample_device(logits, rows, pos, filtered=True)
         else:
-            meta = gather_meta(
-                [1] * n,
-                [s.kv_len for s in states],
-                [s.blocks for s in states],
-                self.options.block_size,
-                "cpu",
-            )
-        logits = self.model.forward(StepInputs(ids, pos, slot_t, None, meta))
-        return self._sample(logits, rows, pos + 1, filtered=filtered)
+            dev = torch.tensor(packed, dtype=torch.long).to(self.device)
+            given, pos, slot_t, rows, src = dev[0], dev[1], dev[2], dev[3], dev[4]
+            ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], given)
+            meta: GatherMeta | PagedMeta
+            if self.device.type == "cuda":
+                meta = PagedMeta(self.block_tables, rows.to(torch.int32), (pos + 1).to(torch.int32))
+            else:
+                meta = gather_meta(
+                    [1] * n,
+                    [s.kv_len for s in states],
+                    [s.blocks for s in states],
+                    self.options.block_size,
+                    "cpu",
+                )
+            logits = self.model.forward(StepInputs(ids, pos, slot_t, None, meta))
+            out_tokens, logprobs = self._sample_device(logits, rows, pos + 1, filtered=filtered)
+        self.last_tokens[:n].copy_(out_tokens)
+        routed = self._copy_decode_routing(states, positions)
+        staging = None
+        if self._staging is not None:
+            staging = self._staging[self._launches % 2]
+        self._launches += 1
+        pending = PendingDecode(out_tokens, logprobs, staging)
+        pending.routed = routed
+        return pending
 
     # ---------------------------------------------------------------- memory
 
