@@ -71,6 +71,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 # own packed path (a block-diagonal mask from the position ids), the one measured before.
 CONFIGS: dict[str, dict[str, Any]] = {
     "padded-full": {},
+    "padded-full-pageable": {"pin_offload": False},  # for --offload-trips: offload through pageable memory
     "padded-chunked": {"logprob_projection": "chunked"},
     "packed-chunked-sdpa": {
         "logprob_projection": "chunked",
@@ -172,11 +173,19 @@ def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_
             metrics["wall_s"] = time.perf_counter() - t
             steps.append(metrics)
             print(f"  {name} step {step}: {metrics['wall_s']:.3f} s", flush=True)
+        trips = [(backend.offload(), backend.onload()) for _ in range(args.offload_trips)]
     except Exception as exc:  # an OOM in one configuration must not lose the others' figures
         result["error"] = f"{type(exc).__name__}: ...{str(exc)[-700:]}"
         return result
     finally:
         backend.shutdown()
+    if trips and "offload/seconds" in trips[0][0]:  # (on the CPU offload is a no-op)
+        # The colocated placement's offload and onload of the trainer's whole state (weights, gradients,
+        # Adam moments); the first trip also pays for pinning host memory, hence medians.
+        off, on = [t[0] for t in trips], [t[1] for t in trips]
+        result["offload_gb"] = off[-1]["offload/bytes"] / 1e9
+        result["offload_s"] = [m["offload/seconds"] for m in off]
+        result["onload_s"] = [m["onload/seconds"] for m in on]
     timed = steps[args.warmup :]
     wall = statistics.median(m["wall_s"] for m in timed)
     tokens = args.samples * args.seq
@@ -210,6 +219,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--offload-trips",
+        type=int,
+        default=0,
+        help="after the steps, time this many offload/onload round trips",
+    )
     parser.add_argument(
         "--attn",
         default=None,

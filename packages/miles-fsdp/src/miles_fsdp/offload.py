@@ -13,6 +13,14 @@ references to them, stay the same) and re-registers the shard storage it all-gat
 Optimizer state tensors are moved one by one, remembering which ones, so state that lives
 on the CPU by design (Adam's ``step`` counters) stays there.
 
+With ``fsdp.pin_offload`` (the default) every copy is issued ``non_blocking``: a device-to-host
+copy then lands in page-locked host memory (torch allocates the destination pinned), so the
+copies run at the link's rate instead of through a pageable bounce buffer, back to back without
+a host wait each, with one synchronisation at the end; the way back copies from that pinned
+memory just as fast. torch's host caching allocator keeps the pinned blocks after onload and
+hands them to the next offload, so only the first offload pays for pinning (and that much host
+memory stays reserved by the process).
+
 On a CPU trainer both are no-ops.
 """
 
@@ -66,14 +74,16 @@ class Offloader:
         start = time.perf_counter()
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
-        moved = sum(self._move_module(m, torch.device("cpu")) for m in self._modules())
+        pinned = self.trainer.opts.pin_offload
+        cpu = torch.device("cpu")
+        moved = sum(self._move_module(m, cpu, pinned) for m in self._modules())
         self._moved_state = []
         for optimizer in self._optimizers():
             for state in optimizer.state.values():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.device.type == "cuda":
                         moved += _nbytes(value)
-                        state[key] = value.to("cpu")
+                        state[key] = value.to(cpu, non_blocking=pinned)
                         self._moved_state.append((state, key))
         torch.cuda.synchronize(device)
         _release_cached_memory()
@@ -89,9 +99,10 @@ class Offloader:
         if device.type != "cuda" or not self.offloaded:
             return {"bytes": 0.0, "seconds": 0.0}
         start = time.perf_counter()
-        moved = sum(self._move_module(m, device) for m in self._modules())
+        pinned = self.trainer.opts.pin_offload
+        moved = sum(self._move_module(m, device, pinned) for m in self._modules())
         for state, key in self._moved_state or []:
-            state[key] = state[key].to(device)
+            state[key] = state[key].to(device, non_blocking=pinned)
             moved += _nbytes(state[key])
         self._moved_state = None
         torch.cuda.synchronize(device)
@@ -113,12 +124,12 @@ class Offloader:
         return [part.optimizer for part in self.trainer.parts]
 
     @staticmethod
-    def _move_module(module: nn.Module, device: torch.device) -> int:
+    def _move_module(module: nn.Module, device: torch.device, non_blocking: bool) -> int:
         moved = 0
         for p in module.parameters():
             moved += _nbytes(p)
             if p.grad is not None:
                 moved += _nbytes(p.grad)
         moved += sum(_nbytes(b) for b in module.buffers())
-        module.to(device)
+        module.to(device, non_blocking=non_blocking)
         return moved
