@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One call's worth of GPU work for the engine and training-step issues, in priority order, each part's
+# log and JSON written under $OUT as it goes (a call stopped at its time limit still returns them):
+#   1. the GPU tests of the paged engine, the FSDP attention/compile/offload paths (-k below);
+#   2. engine throughput: HF generate, the paged engine reading every step, the paged engine overlapped;
+#   3. FSDP MFU: padded, packed (miles_varlen), packed + compiled layers, with offload round trips,
+#      then the old pageable offload for comparison.
+# Run here first: bash scripts/gpu-wheels.sh (and carry .whl). PARTS=tests,engine,mfu picks parts.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu-perf}
+mkdir -p "$out"
+parts=${PARTS:-tests,engine,mfu}
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_DISABLE_PROGRESS_BARS=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+if [[ $parts == *tests* ]]; then
+    python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -rA -q tests \
+        -k "${TESTS_K:-paged or varlen or compile or offload or moe or prefix}" 2>&1 | tee "$out/tests.log"
+fi
+if [[ $parts == *engine* ]]; then
+    python3 benchmarks/engine_throughput.py --paths hf,paged-sync,paged --batches "${BATCHES:-1,64,256}" \
+        --out "$out/engine.json" ${ENGINE_ARGS:-} 2>&1 | tee "$out/engine.log"
+fi
+if [[ $parts == *mfu* ]]; then
+    python3 benchmarks/fsdp_mfu.py --configs "${MFU_CONFIGS:-padded-full,packed-full,packed-full-compiled}" \
+        --offload-trips 3 --out "$out/mfu.json" 2>&1 | tee "$out/mfu.log"
+    python3 benchmarks/fsdp_mfu.py --configs padded-full-pageable --warmup 1 --steps 1 --offload-trips 3 \
+        --out "$out/mfu-pageable.json" 2>&1 | tee "$out/mfu-pageable.log"
+fi
