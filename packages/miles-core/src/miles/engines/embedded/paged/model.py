@@ -19,14 +19,21 @@ key and value are written to. Attention has two forms:
 On CUDA the rest of a layer runs through fused Triton kernels (``_forward_fused``:
 residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU x up) on the same weight
 tensors; on the CPU through the HF modules' own forwards (``_forward_modules``).
+
+Qwen3-MoE's sparse layers run their MLP through ``moe`` (the HF block's modules on the
+CPU, a forward without host synchronisation on CUDA) and write the experts each token was
+routed to into the step's routing buffer (``PagedModel.routed``), for routing replay.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+log = logging.getLogger("miles.engines.embedded")
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -41,6 +48,10 @@ def unsupported_reason(model: Any) -> str | None:
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
         return "dynamic RoPE scaling changes with the sequence length; the paged path uses a fixed table"
+    if name == "Qwen3MoeForCausalLM":
+        from miles.engines.embedded.paged.moe import moe_reason
+
+        return moe_reason(list(model.model.layers))
     return None
 
 
@@ -82,6 +93,9 @@ class StepInputs:
     slots: Any  # [T] long: where each token's key and value go
     logit_rows: Any  # [S] long: the tokens whose logits are wanted (None: every token)
     attn: GatherMeta | PagedMeta
+    # MoE models: [sparse layers, T, top_k] long, where each sparse layer writes the experts it
+    # routed each token to (None: the forward allocates one).
+    routed: Any = None
 
 
 def gather_meta(
@@ -161,12 +175,68 @@ class PagedModel:
         # On CUDA the layers run through the fused Triton kernels (few launches per layer);
         # elsewhere, and for activations other than SiLU, through the HF modules' own forwards.
         self.fused = self.device.type == "cuda" and getattr(config, "hidden_act", "silu") == "silu"
+        self._init_moe()
+
+    def _init_moe(self) -> None:
+        """Which layers are sparse (Qwen3-MoE), and how their experts run on this device."""
+        import torch
+
+        from miles.engines.embedded.paged.moe import grouped_mm_reason, is_sparse
+
+        # Per layer: its index among the sparse layers (the routing buffer's first axis, in the
+        # order RoutingRecorder reports), -1 for a dense MLP.
+        self.sparse: list[int] = []
+        self.num_sparse = 0
+        for layer in self.layers:
+            self.sparse.append(self.num_sparse if is_sparse(layer.mlp) else -1)
+            self.num_sparse += is_sparse(layer.mlp)
+        self.routed: Any = None  # the last step's routing buffer (MoE models only)
+        self.grouped = False
+        # Why decode steps cannot be captured in CUDA graphs (None: they can).
+        self.graph_reason: str | None = None
+        if not self.num_sparse:
+            return
+        first = next(layer.mlp for layer, j in zip(self.layers, self.sparse, strict=True) if j >= 0)
+        self.top_k = int(first.gate.top_k)
+        num_experts, hidden, inter = (int(d) for d in first.experts.down_proj.shape)
+        self.expert_range = torch.arange(num_experts, device=self.device)
+        how = "the HF block's modules"
+        if self.device.type == "cuda" and not self.fused:
+            # The HF experts may read group sizes on the host, which a graph capture forbids.
+            self.graph_reason = "the sparse blocks run through the HF modules (an activation other than SiLU)"
+        if self.fused:
+            reason = grouped_mm_reason(self.dtype, self.device, hidden, inter)
+            self.grouped = reason is None
+            how = (
+                "grouped GEMMs (torch grouped_mm, no host synchronisation)"
+                if reason is None
+                else f"the HF experts eagerly and every expert densely inside CUDA graphs ({reason})"
+            )
+        log.info(
+            "MoE: %d of %d layers sparse, %d experts, top %d; experts run by %s",
+            self.num_sparse,
+            len(self.layers),
+            num_experts,
+            self.top_k,
+            how,
+        )
 
     def forward(self, step: StepInputs) -> Any:
-        """Logits (float32) of ``step.logit_rows``; writes every token's KV into the pool."""
+        """Logits (float32) of ``step.logit_rows``; writes every token's KV into the pool (and,
+        for an MoE model, every token's experts into ``step.routed``, kept as ``self.routed``)."""
+        if self.num_sparse:
+            if step.routed is None:
+                import torch
+
+                tokens = step.input_ids.shape[0]
+                step.routed = torch.empty(
+                    self.num_sparse, tokens, self.top_k, dtype=torch.long, device=self.device
+                )
+            self.routed = step.routed
         return self._forward_fused(step) if self.fused else self._forward_modules(step)
 
     def _forward_fused(self, step: StepInputs) -> Any:
+        from miles.engines.embedded.paged.moe import moe_fused
         from miles.engines.embedded.paged.triton_kernels import add_rms_norm, norm_rope_store, silu_mul
 
         x = self.embed(step.input_ids)
@@ -195,13 +265,18 @@ class PagedModel:
             post = layer.post_attention_layernorm
             h = add_rms_norm(x, attn.o_proj(o.reshape(tokens, -1)), post.weight, post.variance_epsilon)
             mlp = layer.mlp
-            m = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            if self.sparse[i] < 0:
+                m = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            else:
+                m = moe_fused(mlp, h, step.routed[self.sparse[i]], self.grouped, self.expert_range)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h = add_rms_norm(x, m, nxt.weight, nxt.variance_epsilon)
         h = h if step.logit_rows is None else h[step.logit_rows]
         return self.lm_head(h).float()
 
     def _forward_modules(self, step: StepInputs) -> Any:
+        from miles.engines.embedded.paged.moe import moe_modules
+
         x = self.embed(step.input_ids)
         tokens = x.shape[0]
         cos = self.cos[step.positions][:, None, :]
@@ -222,7 +297,11 @@ class PagedModel:
             v_pool[i].index_copy_(0, step.slots, v)
             o = self._attend(q, k_pool[i], v_pool[i], step.attn)
             x = x + attn.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if self.sparse[i] < 0:
+                x = x + layer.mlp(h)
+            else:
+                x = x + moe_modules(layer.mlp, h, step.routed[self.sparse[i]])
         x = self.norm(x if step.logit_rows is None else x[step.logit_rows])
         return self.lm_head(x).float()
 

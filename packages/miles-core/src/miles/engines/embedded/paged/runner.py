@@ -80,7 +80,8 @@ class RoutedCopy:
         rows = picked.to(torch.int32).permute(1, 0, 2).contiguous()  # [tokens, sparse layers, top_k]
         self._event: Any = None
         if rows.is_cuda:
-            self._host = rows.to("cpu", non_blocking=True)
+            self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            self._host.copy_(rows, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:

@@ -32,7 +32,7 @@ import random
 import time
 from typing import Any
 
-from miles.engines.embedded.paged.runner import PagedRunner, SeqState
+from miles.engines.embedded.paged.runner import PagedRunner, Sampled, SeqState
 from miles.engines.embedded.sampler import GenRequest, Runner
 from miles.engines.embedded.scheduler import Scheduler
 
@@ -154,7 +154,7 @@ class PagedScheduler(Scheduler):
         state = self._states.get(row)
         if state is None:
             seed = row.seed if row.seed is not None else self._seeds.getrandbits(63)
-            state = self._states[row] = SeqState(seed=seed)
+            state = self._states[row] = SeqState(seed=seed, routed=row.return_routed_experts)
         return state
 
     def _decoding(self, row: GenRequest) -> bool:
@@ -199,6 +199,7 @@ class PagedScheduler(Scheduler):
         t0 = time.perf_counter()
         out = self.paged.decode(sts, [r.output_ids[-1] for r in rows], filtered)
         self.stats["decode_s"] += time.perf_counter() - t0
+        self._store_routing(out)
         version = self.version()
         limit = min(self.runner.max_context, self.paged.max_context)
         for row, tok, lp in zip(rows, out.tokens, out.logprobs, strict=True):
@@ -245,6 +246,7 @@ class PagedScheduler(Scheduler):
         t0 = time.perf_counter()
         out = self.paged.prefill(chunks)
         self.stats["prefill_s"] += time.perf_counter() - t0
+        self._store_routing(out)
         self._prefilling = sum(1 for r in self._running.rows if self._states[r].kv_len < r.num_fed)
         for row, tok, lp in zip(sampled, out.tokens, out.logprobs, strict=True):
             self._append(row, tok, lp)
@@ -307,6 +309,28 @@ class PagedScheduler(Scheduler):
         self.stats["input_positions_scored"] += sum(len(r.input_logprobs) for r in rows)
         for row in rows:
             self._done(row)
+
+    def _store_routing(self, out: Sampled) -> None:
+        """Move a read step's routed experts into the requests that asked, in position order: one
+        entry per consumed token, as on the DynamicCache path. Positions already recorded (a
+        retracted request fed again) are skipped; a request that finished before this step (whose
+        last token is never consumed there) or has left takes none."""
+        if not out.routed:
+            return
+        owners = {id(state): row for row, state in self._states.items()}
+        for state, first, experts in out.routed:
+            row = owners.get(id(state))
+            if row is None or row.finish is not None:
+                continue
+            skip = row.num_routed - first
+            if skip < 0:
+                raise RuntimeError(
+                    f"request {row.rid}: the routed experts of positions {row.num_routed}..{first - 1} "
+                    "were never recorded"
+                )
+            if skip < len(experts):
+                row.routed.append(experts[skip:])
+                row.num_routed = first + len(experts)
 
     def _append(self, row: GenRequest, token: int, logprob: float) -> None:
         row.output_ids.append(token)
