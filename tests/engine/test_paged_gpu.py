@@ -1,9 +1,11 @@
 """The paged KV path on CUDA: Triton kernels against torch, greedy and sampled log-probs against a
-plain HF forward in float32, graph replay against eager, a weight update mid-stream, and memory
-release/resume. Run on a GPU machine by ``scripts/gpu-tests.sh -k paged``."""
+plain HF forward in float32, graph replay against eager, a weight update mid-stream, memory
+release/resume, and prefix-cache hits against misses. Run on a GPU machine by
+``scripts/gpu-tests.sh -k paged``."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -203,3 +205,44 @@ def test_release_and_resume_free_and_restore_memory(model_dir: Path) -> None:
             assert x.output_ids == y.output_ids
     finally:
         engine.stop()
+
+
+def test_prefix_hit_equals_miss_through_the_graphs(model_dir: Path) -> None:
+    """A conversation's later turns take their history's blocks from the radix cache; every decode runs
+    through the CUDA graphs on those shared blocks, and answers as an engine without the cache does."""
+    on = _engine(model_dir)
+    off = _engine(model_dir, prefix_cache_tokens=0)
+    try:
+        assert on.paged.graphs is not None and on.scheduler.radix is not None
+        assert off.scheduler.radix is None
+        block = on.paged.allocator.block_size
+        rng = random.Random(0)
+        n = 24
+        for temperature in (0.0, 0.7):
+            system = [rng.randrange(128) for _ in range(40)]  # shared by every session: 2 full blocks
+            sessions = [system + [rng.randrange(128) for _ in range(5 + 7 * i)] for i in range(3)]
+            expected = [0, 2 * block, 2 * block]  # the later sessions find the first one's system blocks
+            for turn in range(4):
+                # The first session runs alone in the first turn, so the others find its system blocks.
+                got = _generate(on, sessions[:1], temperature=temperature, seed=6) if turn == 0 else []
+                got += _generate(on, sessions[len(got) :], temperature=temperature, seed=6)
+                want = _generate(off, sessions, temperature=temperature, seed=6)
+                for g, w, cached in zip(got, want, expected, strict=True):
+                    assert g.cached_tokens == cached
+                    assert g.output_ids == w.output_ids
+                    assert g.output_logprobs == pytest.approx(w.output_logprobs, abs=1e-4)
+                # Each turn consumed its prompt and all but its last output: those complete blocks are cached.
+                expected = [(len(s) + n - 1) // block * block for s in sessions]
+                sessions = [
+                    s + g.output_ids + [rng.randrange(128) for _ in range(3)]
+                    for s, g in zip(sessions, got, strict=True)
+                ]
+        assert on.scheduler.stats["prefix_cache_hits"] >= 2 * (2 + 3 * 3)
+        alloc = on.paged.allocator
+        with on.scheduler.step_lock:
+            alloc.check()
+            on.scheduler.flush_prefix_cache()
+            assert alloc.num_free == alloc.num_blocks - 1
+    finally:
+        on.stop()
+        off.stop()

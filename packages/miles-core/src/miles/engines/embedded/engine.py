@@ -47,9 +47,10 @@ class EngineOptions:
     # delta_root; each receiver gets its own when the server mounts it.
     receiver_options: dict[str, str | None] = field(default_factory=dict)
     update_timeout_s: float = 300.0  # a staged multi-bucket update with no bucket for this long is dropped
-    # Most tokens the prefix cache keeps over all its entries (see prefix_cache); 0 disables it.
-    # None: DEFAULT_PREFIX_CACHE_TOKENS on the DynamicCache path, none on the paged one (which has
-    # no prefix cache yet); a number > 0 asks for the cache, so "auto" then keeps the DynamicCache path.
+    # Most tokens the prefix cache keeps over all its entries (see prefix_cache, paged/radix); 0
+    # disables it. None: DEFAULT_PREFIX_CACHE_TOKENS on the DynamicCache path (its entries are
+    # device memory of their own); the whole pool on the paged path (cached blocks are pool blocks
+    # no request uses, evicted whenever a request needs them, so they cost no capacity).
     prefix_cache_tokens: int | None = None
     # KV cache (docs/engine.md): "paged" (the fast path: paged pool, chunked prefill, CUDA graphs),
     # "dynamic" (a transformers DynamicCache per batch), "auto" (paged on CUDA for the models it
@@ -140,10 +141,14 @@ class EmbeddedEngine:
         self.paged = self._paged_runner(model) if self._wants_paged(model) else None
         prefix_tokens = options.prefix_cache_tokens
         if prefix_tokens is None:
-            prefix_tokens = 0 if self.paged is not None else DEFAULT_PREFIX_CACHE_TOKENS
+            prefix_tokens = (
+                self.paged.allocator.capacity_tokens
+                if self.paged is not None
+                else DEFAULT_PREFIX_CACHE_TOKENS
+            )
         prefix_cache = None
         if self.paged is not None:
-            pass  # the paged path has no prefix cache (an explicit request for one was refused above)
+            pass  # the paged scheduler keeps its own prefix cache over the pool's blocks (paged/radix.py)
         elif prefix_tokens > 0 and mergeable:
             prefix_cache = PrefixCache(prefix_tokens)
         elif prefix_tokens > 0:
@@ -163,6 +168,7 @@ class EmbeddedEngine:
                 chunk_tokens=self.paged.options.chunk_tokens,
                 version=self._token_version,
                 seed=options.seed,
+                prefix_cache_tokens=prefix_tokens,
             )
         else:
             self.scheduler = Scheduler(
@@ -241,8 +247,6 @@ class EmbeddedEngine:
                 f"(>= 0), block_size {o.block_size} (>= 1), mem_fraction {o.mem_fraction} (in (0, 1))"
             )
         reason = unsupported_reason(model)
-        if reason is None and (o.prefix_cache_tokens or 0) > 0:
-            reason = f"prefix_cache_tokens {o.prefix_cache_tokens} asks for the prefix cache, which it lacks"
         if reason is None and self.device.type == "cuda":
             reason = cuda_kernel_reason(model)
         if reason is None and self.device.type == "cuda":
@@ -581,7 +585,6 @@ class EmbeddedEngine:
 
     def server_info(self) -> dict[str, Any]:
         running, waiting = self.scheduler.counts()
-        cache = self.scheduler.prefix_cache
         stats = dict(self.scheduler.stats)
         steps = stats["decode_steps"]
         stats["mean_decode_batch"] = stats["decode_rows"] / steps if steps else 0.0
@@ -597,8 +600,9 @@ class EmbeddedEngine:
             "continuous_batching": self.scheduler.mergeable,
             "kv_cache": "paged" if self.paged is not None else "dynamic",
             "kv_pool": self._pool_info(),
-            # None when disabled (prefix_cache_tokens 0, or a model whose caches cannot be merged).
-            "prefix_cache": cache.describe() if cache is not None else None,
+            # None when disabled (prefix_cache_tokens 0, or a model whose caches cannot be merged);
+            # on the paged path "kind" is "radix" and an entry is one cached KV block.
+            "prefix_cache": self.scheduler.prefix_cache_info(),
             "lora_adapters": self.lora.describe() if self.lora is not None else None,
             "torch_threads": torch.get_num_threads(),
             "pid": os.getpid(),

@@ -245,6 +245,10 @@ class Scheduler:
         (a weight change is made under it; ``/flush_cache`` takes it)."""
         return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
+    def prefix_cache_info(self) -> dict[str, Any] | None:
+        """The prefix cache's size and counters (None: no cache), for ``/get_server_info``."""
+        return self.prefix_cache.describe() if self.prefix_cache is not None else None
+
     def counts(self) -> tuple[int, int]:
         with self._lock:
             return self._num_running, len(self._waiting)

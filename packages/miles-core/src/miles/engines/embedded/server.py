@@ -16,7 +16,8 @@ transports (disk-delta, p2p, ...) come from the receivers installed with them, m
 by :func:`create_app` (see ``miles.engines.embedded.receivers``); each receiver's launch
 options are flags of this command.
 
-The engine keeps a prefix cache (see ``miles.engines.embedded.prefix_cache``):
+The engine keeps a prefix cache (see ``miles.engines.embedded.prefix_cache``; on the
+paged KV path ``miles.engines.embedded.paged.radix``, whose entries are KV blocks):
 ``meta_info.cached_tokens`` says how many prompt tokens a request took from it;
 ``/flush_cache`` empties it, and so does every weight change. It has one
 data-parallel rank: ``data_parallel_rank`` on ``/generate`` may be null or 0.
@@ -678,9 +679,8 @@ def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentPar
         type=int,
         default=None,
         help="most tokens of finished requests' KV kept for reuse by later requests with the same prefix "
-        "(a session's next turn); 0 disables the prefix cache; unset: 65536 on the DynamicCache path, none on "
-        "the paged path; set > 0, it keeps --kv-cache auto on the DynamicCache path (the paged one has no "
-        "prefix cache yet)",
+        "(a session's next turn); 0 disables the prefix cache; unset: 65536 on the DynamicCache path, the "
+        "whole KV pool on the paged path (its cached blocks are evicted whenever requests need them)",
     )
     p.add_argument(
         "--kv-cache",

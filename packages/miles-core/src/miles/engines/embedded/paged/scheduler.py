@@ -19,7 +19,19 @@ of the queue with its tokens and log-probs, to be prefilled again (prompt and
 outputs) when blocks free up; its seeded draws do not change, since the sampler's
 noise depends only on (seed, position).
 
-Not on this path (see ``docs/engine.md``): the prefix cache; requests that want
+Prefix cache (``radix``, see ``paged/radix.py``): a request admitted from the queue
+takes the longest cached prefix of its tokens, in whole blocks, into its block table
+(the blocks are shared, not copied) and prefills only the rest; it never takes the
+last token it must feed (its logits sample the next token), nor positions whose input
+log-probs it needs, and rows that return routed experts do not look up (the tree keeps
+no routing). Every request leaving the running set (finished, aborted, retracted; not
+failed, and not one whose KV was started before the last flush) gives its complete
+blocks to the tree before letting go of its own references. When blocks run short,
+least recently used cached blocks nobody else holds are evicted before any running
+request is retracted. Weight changes and ``/flush_cache`` flush the tree; so does a
+memory release, before the pool goes.
+
+Not on this path (see ``docs/engine.md``): requests that want
 input log-probs *and* new tokens, or top-k / requested-id log-probs of sampled
 tokens (refused with a message naming ``--kv-cache dynamic``). Pure scoring
 requests (``max_new_tokens`` 0) are scored by the DynamicCache runner inside a step.
@@ -32,6 +44,7 @@ import random
 import time
 from typing import Any
 
+from miles.engines.embedded.paged.radix import RadixCache
 from miles.engines.embedded.paged.runner import PagedRunner, Sampled, SeqState
 from miles.engines.embedded.sampler import GenRequest, Runner
 from miles.engines.embedded.scheduler import Scheduler
@@ -78,11 +91,18 @@ class PagedScheduler(Scheduler):
         chunk_tokens: int,
         version: Any = lambda: 0,
         seed: int | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         super().__init__(scorer, max_batch_size=max_batch_size, mergeable=True, version=version)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.paged = paged
+        # The prefix cache over the pool's blocks (None: disabled); it never keeps more than the pool.
+        self.radix: RadixCache | None = None
+        if prefix_cache_tokens > 0:
+            self.radix = RadixCache(
+                paged.allocator, min(prefix_cache_tokens, paged.allocator.capacity_tokens)
+            )
         self.chunk_tokens = chunk_tokens
         self._running = _Running()
         self._batch = self._running  # type: ignore[assignment]  # the parent reads .rows and len()
@@ -111,9 +131,11 @@ class PagedScheduler(Scheduler):
         super().submit(req)
 
     def release_memory(self) -> int:
-        """Retract every running request and free the KV pool; returns the bytes freed."""
+        """Retract every running request, flush the prefix cache and free the KV pool; returns the
+        bytes freed."""
         with self.step_lock:
             self._retract_all()
+            self.flush_prefix_cache()  # the cached blocks live in the pool that goes away
             with self._lock:
                 self.released = True
             return self.paged.release_memory()
@@ -124,6 +146,14 @@ class PagedScheduler(Scheduler):
             with self._lock:
                 self.released = False
                 self._wake.notify_all()
+
+    def flush_prefix_cache(self) -> int:
+        """Drop the tree's references (requests holding cached blocks keep theirs); returns how many
+        blocks it held. The caller holds ``step_lock``."""
+        return self.radix.flush() if self.radix is not None else 0
+
+    def prefix_cache_info(self) -> dict[str, Any] | None:
+        return self.radix.describe() if self.radix is not None else None
 
     # ------------------------------------------------------------- the loop
 
@@ -179,7 +209,7 @@ class PagedScheduler(Scheduler):
             if row in retracted:
                 continue
             state = states[row]
-            while not self.paged.grow(state, state.kv_len + 1):
+            while not self._grow(state, state.kv_len + 1):  # evicts cached blocks before retracting
                 victim = next((r for r in reversed(self._running.rows) if r is not row), None)
                 if victim is None:
                     row.finish = {
@@ -237,12 +267,13 @@ class PagedScheduler(Scheduler):
                 state = self._states[row]
                 if state.kv_len < row.num_fed and budget > 0:
                     add(row, state)
+        running = len(self._running)
         scoring = self._admit_into(add, lambda: budget)
+        admitted = len(self._running) - running  # (a prefix-cache hit starts with kv_len > 0)
         if scoring:
             self._score(scoring)
         if not chunks:
             return
-        new = [r for r in self._running.rows if self._states[r].kv_len == 0]
         t0 = time.perf_counter()
         out = self.paged.prefill(chunks)
         self.stats["prefill_s"] += time.perf_counter() - t0
@@ -253,7 +284,7 @@ class PagedScheduler(Scheduler):
         self._stamp_versions(sampled)
         self.stats["prefill_batches"] += 1
         self.stats["prefill_chunks"] += len(chunks)
-        self.stats["prefill_requests"] += len(new)
+        self.stats["prefill_requests"] += admitted
         self.stats["max_prefill_batch"] = max(self.stats["max_prefill_batch"], len(chunks))
         self.stats["prefilled_tokens"] += self.chunk_tokens - budget
 
@@ -276,7 +307,7 @@ class PagedScheduler(Scheduler):
                 state = self._state(row)
                 need = row.num_fed + 1
                 too_long = need > capacity
-                if not too_long and not self.paged.grow(state, need):
+                if not too_long and not self._take_blocks(row, state, need):
                     break  # wait for blocks
                 self._waiting.popleft()
                 if not too_long:
@@ -294,6 +325,67 @@ class PagedScheduler(Scheduler):
             self._prefilling += 1
             add(row, state)
         return scoring
+
+    def _take_blocks(self, row: GenRequest, state: SeqState, need: int) -> bool:
+        """Blocks for ``need`` token slots of an admitted ``row``: its cached prefix shared from the
+        tree, the rest allocated (evicting cached blocks if the free list is short). False, with
+        nothing held, when the pool cannot give them now."""
+        radix = self.radix
+        looked_up = False
+        if radix is not None and row.lora is None and not row.return_routed_experts:
+            # Routed rows would need the routing of the cached positions, which the tree does not keep.
+            tokens = row.sequence
+            limit = len(tokens) - 1  # at least the last token is fed: its logits give the next token
+            if row.pending_input_positions > 0 and row.logprob_start is not None:
+                limit = min(limit, row.logprob_start)  # scored positions need their logits
+            blocks = radix.match(tokens, limit)
+            if blocks:
+                self.paged.allocator.share(blocks)  # before any eviction below, which then skips them
+                state.blocks = blocks
+                state.kv_len = len(blocks) * radix.block_size
+            looked_up = True
+        if not self._grow(state, need):
+            self.paged.detach(state)  # gives the shared blocks back; the row holds no table row yet
+            return False
+        cached = state.kv_len
+        if radix is not None:
+            row.kv_generation = radix.generation
+        if looked_up:
+            self.stats["prefix_cache_lookups"] += 1
+        if cached:
+            self.stats["prefix_cache_hits"] += 1
+            self.stats["cached_tokens"] += cached
+        if not row.output_ids:  # a retracted row reports what its first prefill reused
+            row.cached_tokens = min(cached, len(row.prompt_ids))
+        return True
+
+    def _grow(self, state: SeqState, tokens: int) -> bool:
+        """``paged.grow``, first evicting least recently used cached blocks that only the prefix
+        cache holds when the free list is short."""
+        if self.paged.grow(state, tokens):
+            return True
+        if self.radix is None:
+            return False
+        alloc = self.paged.allocator
+        short = alloc.blocks_for(tokens) - len(state.blocks) - alloc.num_free
+        if self.radix.evict(short) < short:
+            return False
+        return self.paged.grow(state, tokens)
+
+    def _cache_blocks(self, row: GenRequest, state: SeqState) -> None:
+        """Give the tree ``row``'s complete blocks (before the row lets go of them)."""
+        radix = self.radix
+        if radix is None or row.error is not None or row.lora is not None:
+            return  # a failed step may have left the KV half written
+        if row.kv_generation != radix.generation:
+            return  # started before a flush: part of its KV may come from weights that are gone
+        full = state.kv_len // radix.block_size
+        if not full:
+            return
+        try:
+            radix.insert(row.sequence[: full * radix.block_size], state.blocks[:full])
+        except Exception:  # a cache that cannot take these blocks must not fail the request
+            log.exception("request %s: its KV blocks were not cached", row.rid)
 
     def _score(self, rows: list[GenRequest]) -> None:
         """Pure scoring requests, through the DynamicCache runner (exact input log-probs)."""
@@ -344,8 +436,12 @@ class PagedScheduler(Scheduler):
     # ------------------------------------------------------- leaving the batch
 
     def _retract(self, row: GenRequest) -> None:
-        """Give back ``row``'s blocks and put it at the front of the queue (tokens kept)."""
-        self.paged.detach(self._states[row])
+        """Give back ``row``'s blocks (its complete ones to the prefix cache, so that it takes them
+        back when it runs again, unless they were evicted meanwhile) and put it at the front of the
+        queue (tokens kept)."""
+        state = self._states[row]
+        self._cache_blocks(row, state)
+        self.paged.detach(state)
         self._running.rows.remove(row)
         with self._lock:
             self._num_running = len(self._running)
@@ -392,5 +488,6 @@ class PagedScheduler(Scheduler):
     def _done(self, row: GenRequest) -> None:
         state = self._states.pop(row, None)
         if state is not None:
+            self._cache_blocks(row, state)
             self.paged.detach(state)  # every way out of the scheduler gives the blocks back
         super()._done(row)
