@@ -198,6 +198,37 @@ def test_preemption_keeps_tokens_and_logprobs(model_dir: Path) -> None:
         tight.stop()
 
 
+def test_overlapped_decoding_equals_reading_every_step(model_dir: Path) -> None:
+    """Launching step N+1 before reading step N changes nothing a request sees: tokens, log-probs,
+    finish reasons (a stop token the host reads one step late, length limits), pool accounting."""
+    plain = _paged(model_dir, overlap=False, block_size=4)
+    overlapped = _paged(model_dir, block_size=4, kv_tokens=96)  # tight: some decodes must retract
+    try:
+        free_run = _generate(plain, PROMPTS[:1], temperature=0.9, seed=4, max_new_tokens=12)
+        stop_at = free_run[0].output_ids[4]  # a token the first prompt samples mid-way
+        per_prompt = [
+            {"stop_token_ids": [stop_at]},
+            {"max_new_tokens": 3},
+            {"max_new_tokens": 17},
+            {"temperature": 0.0},
+        ]
+        kw: dict[str, Any] = dict(temperature=0.9, seed=4, max_new_tokens=12, per_prompt=per_prompt)
+        a = _generate(plain, PROMPTS, **kw)
+        b = _generate(overlapped, PROMPTS, **kw)
+        assert plain.scheduler.stats["overlapped_steps"] == 0
+        assert overlapped.scheduler.stats["overlapped_steps"] > 10
+        assert b[0].finish is not None and b[0].finish["type"] == "stop" and b[0].output_ids[-1] == stop_at
+        for x, y in zip(a, b, strict=True):
+            assert y.finish == x.finish
+            assert y.output_ids == x.output_ids
+            assert y.output_logprobs == pytest.approx(x.output_logprobs, abs=1e-6)
+            assert y.output_versions == x.output_versions
+        _assert_all_free(overlapped)
+    finally:
+        plain.stop()
+        overlapped.stop()
+
+
 def test_too_long_for_the_pool_is_refused_clearly(model_dir: Path) -> None:
     paged = _paged(model_dir, kv_tokens=16, block_size=4)
     try:

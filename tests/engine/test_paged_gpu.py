@@ -131,6 +131,32 @@ def test_graph_replay_equals_eager(model_dir: Path) -> None:
         eager.stop()
 
 
+def test_overlapped_decoding_equals_reading_every_step_on_cuda(model_dir: Path) -> None:
+    overlapped = _engine(model_dir)
+    plain = _engine(model_dir, overlap=False)
+    try:
+        [free] = _generate(plain, PROMPTS[:1], temperature=0.9, seed=4)
+        per_prompt = [
+            {"stop_token_ids": [free.output_ids[6]]},
+            {"max_new_tokens": 5},
+            {},
+            {},
+            {"temperature": 0.0},
+        ]
+        for params in (dict(temperature=0.9, seed=4), dict(temperature=1.0, top_k=5, top_p=0.9, seed=1)):
+            a = _generate(overlapped, PROMPTS, per_prompt=per_prompt, **params)
+            b = _generate(plain, PROMPTS, per_prompt=per_prompt, **params)
+            for x, y in zip(a, b, strict=True):
+                assert x.finish == y.finish
+                assert x.output_ids == y.output_ids
+                assert x.output_logprobs == pytest.approx(y.output_logprobs, abs=1e-5)
+        assert overlapped.scheduler.stats["overlapped_steps"] > 0
+        assert plain.scheduler.stats["overlapped_steps"] == 0
+    finally:
+        overlapped.stop()
+        plain.stop()
+
+
 def test_weight_update_lands_between_steps(model_dir: Path, engine_tmp: Path) -> None:
     engine = _engine(model_dir)
     other = load_local(

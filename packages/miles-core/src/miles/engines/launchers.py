@@ -96,6 +96,11 @@ class EmbeddedOptions(_EngineOptions):
         None,
         description="paged: capture the decode step in CUDA graphs (default true; false runs it eagerly)",
     )
+    overlap: bool | None = Field(
+        None,
+        description="paged: launch decode step N+1 before reading step N, hiding the host's work "
+        "(default true; false reads every step before the next)",
+    )
 
 
 class SGLangOptions(_EngineOptions):
@@ -501,6 +506,7 @@ class EmbeddedLauncher(_ProcessLauncher):
             "chunk_tokens",
             "block_size",
             "cuda_graphs",
+            "overlap",
         }
     )
     launch_flags_hint = "start it with the matching `python -m miles.engines.embedded` flags (seed: --seed)"
@@ -556,6 +562,8 @@ class EmbeddedLauncher(_ProcessLauncher):
                 argv += [flag, str(o[key])]
         if o.get("cuda_graphs") is False:
             argv.append("--no-cuda-graphs")
+        if o.get("overlap") is False:
+            argv.append("--no-overlap")
         return argv
 
     def _start(self, specs: list[EngineSpec], log_dir: str, timeout: float) -> list[str]:

@@ -63,6 +63,7 @@ class EngineOptions:
     kv_tokens: int = 0  # paged: a pool of exactly this many token slots (needed on the CPU)
     chunk_tokens: int = 0  # paged: most prompt tokens one step prefills (0: 8192 on CUDA, 512 on CPU)
     cuda_graphs: bool = True  # paged, CUDA: replay the decode step from CUDA graphs
+    overlap: bool = True  # paged: launch decode step N+1 before reading step N (host work hidden)
     block_size: int = 16  # paged: tokens per KV block
 
 
@@ -278,6 +279,7 @@ class EmbeddedEngine:
                 chunk_tokens=chunk,
                 cuda_graphs=o.cuda_graphs,
                 max_batch_size=o.max_batch_size,
+                overlap=o.overlap,
             ),
             self.max_context,
         )

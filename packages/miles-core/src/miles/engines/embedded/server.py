@@ -710,6 +710,11 @@ def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentPar
     )
     p.add_argument("--block-size", type=int, default=16, help="paged: tokens per KV block")
     p.add_argument("--no-cuda-graphs", action="store_true", help="paged: run the decode step eagerly")
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="paged: read each decode step before launching the next (no host/device overlap)",
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for receiver in receivers.loaded.values() if receivers is not None else ():
@@ -804,6 +809,7 @@ def main(argv: list[str] | None = None) -> None:
         chunk_tokens=args.chunk_tokens,
         block_size=args.block_size,
         cuda_graphs=not args.no_cuda_graphs,
+        overlap=not args.no_overlap,
     )
     t0 = time.monotonic()
     try:

@@ -45,11 +45,15 @@ import time
 from typing import Any
 
 from miles.engines.embedded.paged.radix import RadixCache
-from miles.engines.embedded.paged.runner import PagedRunner, Sampled, SeqState
+from miles.engines.embedded.paged.runner import PagedRunner, PendingDecode, Sampled, SeqState
 from miles.engines.embedded.sampler import GenRequest, Runner
 from miles.engines.embedded.scheduler import Scheduler
 
 log = logging.getLogger("miles.engines.embedded")
+
+# Most decode steps launched back to back before the loop looks at its queue, pause and abort
+# flags again (each check is cheap; this bounds how long a finished row's neighbours hold the loop).
+MAX_OVERLAPPED_STEPS = 64
 
 
 class _Running:
@@ -113,6 +117,7 @@ class PagedScheduler(Scheduler):
         self.stats.update(
             {
                 "retractions": 0,
+                "overlapped_steps": 0,  # decode steps launched before the previous one was read
                 "prefill_chunks": 0,
                 "kv_blocks_free": paged.allocator.num_free,
                 # Wall seconds in decode forwards (read-back included), in prefill forwards, in steps.
@@ -224,15 +229,85 @@ class PagedScheduler(Scheduler):
             rows = [r for r in rows if r not in retracted and r.finish is None]
         if not rows:
             return
+        # Overlapped decoding: while nothing else needs the scheduler (see _may_overlap), step N+1 is
+        # launched before step N is read, its inputs being step N's samples still on the device, so
+        # the host's bookkeeping of step N runs while the device computes step N+1.
+        version = self.version()  # constant while step_lock is held: every token of the run shares it
+        pending = self._launch(rows, None)
+        steps = 1
+        while True:
+            following = self._following(rows) if self._may_overlap(steps) else []
+            nxt = self._launch(following, rows) if following else None
+            if nxt is not None:
+                self.stats["overlapped_steps"] += 1
+            self._record(rows, pending.read(), version)
+            if nxt is None:
+                return
+            rows, pending = following, nxt
+            steps += 1
+            self._retire()  # finished rows are answered now, not at the end of the run of steps
+
+    def _launch(self, rows: list[GenRequest], previous: list[GenRequest] | None) -> PendingDecode:
+        """Launch the decode step of ``rows``: each feeds its last token, or, when ``previous`` (the
+        rows of the step in flight, in their order) is given, the token that step samples for it."""
+        states = self._states
         sts = [states[r] for r in rows]
         filtered = any(st.filtered for st in sts)
         t0 = time.perf_counter()
-        out = self.paged.decode(sts, [r.output_ids[-1] for r in rows], filtered)
+        if previous is None:
+            last = [r.output_ids[-1] for r in rows]
+            pending = self.paged.launch_decode(sts, last, [-1] * len(rows), filtered)
+        else:
+            where = {r: i for i, r in enumerate(previous)}
+            pending = self.paged.launch_decode(sts, [0] * len(rows), [where[r] for r in rows], filtered)
         self.stats["decode_s"] += time.perf_counter() - t0
+        n = len(rows)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += n
+        self.stats["max_decode_batch"] = max(self.stats["max_decode_batch"], n)
+        return pending
+
+    def _may_overlap(self, steps: int) -> bool:
+        """Whether to launch another decode step before reading the one in flight: only while no one
+        else needs the scheduler (a weight update, pause, abort or release waiting for step_lock;
+        queued requests that could be admitted; prompts being prefilled), and a bounded number of
+        steps at a time so the loop's other duties stay timely."""
+        if not self.paged.options.overlap or steps >= MAX_OVERLAPPED_STEPS or self._prefilling:
+            return False
+        if self.step_lock.waiting() or self.paused or self.released:
+            return False
+        admissible = self._waiting and self.paged.free_rows > 0 and len(self._running) < self.max_batch_size
+        return not admissible
+
+    def _following(self, rows: list[GenRequest]) -> list[GenRequest]:
+        """The rows of the step in flight that will decode again, whatever token it samples: not
+        finished, not at their length limit with that token, and with a slot for the next token
+        (cached blocks may be evicted for it; a running row is never retracted here: a row short of
+        blocks ends the overlapped run instead, and the next step retracts as usual)."""
+        states = self._states
+        limit = min(self.runner.max_context, self.paged.max_context)
+        out: list[GenRequest] = []
+        for r in rows:
+            if r.finish is not None or r.abort_requested:
+                continue
+            n_out = len(r.output_ids) + 1  # with the token in flight
+            if n_out >= r.max_new_tokens or len(r.prompt_ids) + n_out >= limit:
+                continue
+            st = states[r]
+            if not self._grow(st, st.kv_len + 1):  # evicted blocks: no step in flight reads them
+                return []
+            out.append(r)
+        return out
+
+    def _record(self, rows: list[GenRequest], out: Sampled, version: Any) -> None:
+        """Append a read step's tokens to its rows and mark those that finished. A row that finished
+        at the step before (a stop token the host had not read when this step was launched) ignores
+        this step's token: its sequence ended there."""
         self._store_routing(out)
-        version = self.version()
         limit = min(self.runner.max_context, self.paged.max_context)
         for row, tok, lp in zip(rows, out.tokens, out.logprobs, strict=True):
+            if row.finish is not None:
+                continue
             row.output_ids.append(tok)
             row.output_logprobs.append(lp)
             row.output_versions.append(version)  # (a decode row's versions are complete before it)
@@ -241,10 +316,6 @@ class PagedScheduler(Scheduler):
                 row.finish = {"type": "stop", "matched": tok}
             elif n_out >= row.max_new_tokens or len(row.prompt_ids) + n_out >= limit:
                 row.finish = {"type": "length", "length": n_out}
-        n = len(rows)
-        self.stats["decode_steps"] += 1
-        self.stats["decode_rows"] += n
-        self.stats["max_decode_batch"] = max(self.stats["max_decode_batch"], n)
 
     def _prefill(self) -> None:
         budget = self.chunk_tokens
