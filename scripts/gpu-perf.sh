@@ -4,7 +4,7 @@
 #   1. the GPU tests of the paged engine, the FSDP attention/compile/offload paths (-k below);
 #   2. engine throughput: HF generate, the paged engine reading every step, the paged engine overlapped;
 #   3. FSDP MFU: padded, packed (miles_varlen), packed + compiled layers, with offload round trips,
-#      then the old pageable offload for comparison.
+#      and the old pageable offload beside them.
 # Run here first: bash scripts/gpu-wheels.sh (and carry .whl). PARTS=tests,engine,mfu picks parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +26,7 @@ if [[ $parts == *engine* ]]; then
         --out "$out/engine.json" ${ENGINE_ARGS:-} 2>&1 | tee "$out/engine.log"
 fi
 if [[ $parts == *mfu* ]]; then
-    python3 benchmarks/fsdp_mfu.py --configs "${MFU_CONFIGS:-padded-full,packed-full,packed-full-compiled}" \
-        --offload-trips 3 --out "$out/mfu.json" 2>&1 | tee "$out/mfu.log"
-    python3 benchmarks/fsdp_mfu.py --configs padded-full-pageable --warmup 1 --steps 1 --offload-trips 3 \
-        --out "$out/mfu-pageable.json" 2>&1 | tee "$out/mfu-pageable.log"
+    python3 benchmarks/fsdp_mfu.py \
+        --configs "${MFU_CONFIGS:-padded-full,packed-full,packed-full-compiled,padded-full-pageable}" \
+        --warmup 2 --steps "${MFU_STEPS:-3}" --offload-trips 2 --out "$out/mfu.json" 2>&1 | tee "$out/mfu.log"
 fi
