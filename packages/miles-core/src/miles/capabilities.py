@@ -73,6 +73,10 @@ class EngineCapabilities:
     # (receiver, why) for receivers it would have but could not load (a broken plugin): a run
     # that needs one is refused with the reason.
     unavailable: tuple[tuple[str, str], ...] = ()
+    # Whether its engines take token ids: the driver then loads the policy's tokenizer for the
+    # rollout and evaluation. An engine kind that generates something else (images from prompt
+    # ids) sets False, and its rollout gets ``RolloutContext.tokenizer = None``.
+    tokens: bool = True
 
 
 @dataclass

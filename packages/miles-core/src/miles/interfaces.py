@@ -265,7 +265,10 @@ OPD_REVERSE_KL = "opd_reverse_kl"
 
 @dataclass
 class AdvantageOutput:
-    """Per sample (in group order), per response token. ``returns`` are the critic's targets."""
+    """Per sample (in group order), per response token. ``returns`` are the critic's targets.
+
+    A sample without tokens (a plugin's ``Sample.payload``) gets the row its estimator and backend
+    agree on (e.g. one entry: the advantage of a whole generated trajectory)."""
 
     advantages: list[list[float]]
     returns: list[list[float]] | None = None

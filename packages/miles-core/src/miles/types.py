@@ -82,6 +82,10 @@ class Sample:
     status: Status = Status.PENDING
     finish_reason: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # What a rollout whose engines produce something other than tokens attaches for the backend that
+    # trains on it (e.g. a plugin's typed record of a generated trajectory). The core carries it from
+    # the rollout through the buffer into ``TrainBatch.samples`` and never reads it; it is not dumped.
+    payload: Any = None
 
     @property
     def total_length(self) -> int:
@@ -134,7 +138,9 @@ class TrainBatch:
     """What the backend trains on in one step: flattened samples plus per-token advantages."""
 
     samples: list[Sample]
-    advantages: list[list[float]]  # per sample, per response token
+    # Per sample, per response token (a sample that carries a ``payload`` instead of tokens: the row
+    # its estimator and backend agree on, e.g. one advantage for a whole generated trajectory).
+    advantages: list[list[float]]
     step: int
     # Value targets per sample, per response token: set when the estimator trains a critic (PPO).
     returns: list[list[float]] | None = None

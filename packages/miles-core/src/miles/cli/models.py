@@ -22,10 +22,10 @@ def models() -> None:
 @models.command(name="list")
 def list_models() -> None:
     """Show each built-in model, its size, and where it is cached (or "not built")."""
-    from miles.models.registry import BUILTIN_MODELS, builtin_path, count_parameters
+    from miles.models.registry import builtin_models, builtin_path, count_parameters
 
     rows = [("NAME", "KIND", "PARAMS", "PATH")]
-    for spec in BUILTIN_MODELS.values():
+    for spec in builtin_models().values():
         path = builtin_path(spec.name)
         if path.is_dir():
             count = count_parameters(path)

@@ -12,7 +12,8 @@ from miles.cli._common import verbose_option
 def recipes() -> None:
     """List the recipes that can be run by name.
 
-    Built-in recipes, and the NAME.yaml files in the directories on MILES_RECIPE_PATH.
+    Built-in recipes, those installed plugins ship (the miles.recipes entry points), and the
+    NAME.yaml files in the directories on MILES_RECIPE_PATH.
     """
     from rich.console import Console
     from rich.table import Table

@@ -44,6 +44,7 @@ def run(recipe: str, overrides: tuple[str, ...], resume: bool, overwrite: bool, 
     from miles.errors import RunComplete, RunInterrupted
     from miles.loop import train
 
+    _print_evidence(config, overrides)
     again = resume_command(recipe, overrides)
     try:
         result = train(config, resume=resume, overwrite=overwrite)
@@ -71,6 +72,21 @@ def resume_command(recipe: str, overrides: tuple[str, ...]) -> str:
     import shlex
 
     return shlex.join(["miles", "run", recipe, *(a for o in overrides for a in ("--set", o)), "--resume"])
+
+
+def _print_evidence(config, overrides: tuple[str, ...]) -> None:
+    """The recipe's evidence level, when it declares one (and whether overrides leave it as shipped)."""
+    evidence = config.evidence
+    if evidence is None:
+        return
+    from rich.markup import escape
+
+    name = escape(config.recipe or "recipe")
+    detail = f" ({escape(evidence.detail)})" if evidence.detail else ""
+    line = f"recipe {name}: evidence level [bold]{evidence.level}[/]{detail}"
+    if overrides:
+        line += "; overridden with --set, so the level describes the recipe as shipped, not this run"
+    _console().print(line)
 
 
 def _console():

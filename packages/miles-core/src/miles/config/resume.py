@@ -51,6 +51,7 @@ MUTABLE = (
     "distillation.route_key",
     "sft.batch_size",
     "sft.max_length",
+    "evidence",  # what is known about the recipe, not how it trains
 )
 IGNORED = ("recipe",)  # where the config was loaded from, not what it says
 

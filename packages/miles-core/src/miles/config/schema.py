@@ -549,6 +549,19 @@ class WarmStartSection(Section):
     )
 
 
+class EvidenceSection(Section):
+    """How much evidence stands behind this exact recipe (the report's levels); ``miles run`` prints it.
+
+    ``fully gated``: a complete training curve, plus a deterministic end-to-end test comparing every
+    registered metric bit for bit against a committed standard; ``proxy gated``: the same on a
+    documented scaled-down proxy of the recipe; ``verified``: a complete curve, no such test;
+    ``not verified``: none of these. The level applies to the recipe as shipped: overrides void it.
+    """
+
+    level: Literal["fully gated", "proxy gated", "verified", "not verified"]
+    detail: str = Field("", description="what the evidence is (the test, the curve) and where it is recorded")
+
+
 class MilesConfig(Section):
     """A whole recipe. Plugin sections are added to a subclass built at start-up."""
 
@@ -580,6 +593,9 @@ class MilesConfig(Section):
     eval: EvalSection | None = None
     warm_start: WarmStartSection | None = Field(
         None, description="a supervised stage (an SFT recipe) run before RL in the same run directory"
+    )
+    evidence: EvidenceSection | None = Field(
+        None, description="the recipe's evidence level (fully gated, proxy gated, verified, not verified)"
     )
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from miles.capabilities import engine_capabilities
 from miles.config.schema import MilesConfig
 from miles.driver.fleet import EngineFleet, engine_fleet
 from miles.driver.generation import RolloutStage, SyncGeneration
@@ -36,6 +37,7 @@ from miles.driver.sft import SFTStage
 from miles.driver.start import RunStart
 from miles.driver.training import make_train_batch
 from miles.interfaces import Backend, RolloutContext
+from miles.plugins import load_component
 from miles.run_dir import LoopState, RunDir
 from miles.tracking.registry import start_trackers
 from miles.tracking.timing import timed
@@ -407,9 +409,12 @@ def _rollout_context(
     sampling = SamplingParams(
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k
     )
+    # An engine kind whose engines take no token ids has no use for the policy's tokenizer (and its
+    # model directory may hold none).
+    tokens = engine_capabilities(load_component("engine", config.engine.launcher)).tokens
     return RolloutContext(
         engines=engines,
-        tokenizer=_tokenizer(model_path),
+        tokenizer=_tokenizer(model_path) if tokens else None,
         sampling=sampling,
         n_samples_per_prompt=r.n_samples_per_prompt,
         reward=components.reward,

@@ -413,6 +413,12 @@ class _ProcessLauncher(abc.ABC):
             proc.log_file.close()
 
 
+# The base of an engine kind whose engines are local processes, one per spec, answering ``/health``
+# (a plugin's kind subclasses it: ``_start`` and ``_allowed_options``, and its own ``client``); it
+# brings port checks, one log per engine, health waits, attaching by ``url``, restarts and shutdown.
+ProcessLauncher = _ProcessLauncher
+
+
 def _attach(specs: Sequence[EngineSpec], timeout_s: float) -> list[str]:
     urls = []
     for spec in specs:

@@ -3,6 +3,10 @@
 ``builtin:NAME`` is built into the cache on first use (see :mod:`miles.models.cache`);
 anything else must already be a Hugging Face model directory. Importing this module
 is cheap: builders import torch and transformers only when they run.
+
+A distribution adds built-in models of its own with an entry point in the ``miles.models``
+group whose object is a :class:`BuiltinModel` (keep its module light: only the record); a name
+the core or another distribution already uses is refused naming both.
 """
 
 from __future__ import annotations
@@ -61,6 +65,40 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         ),
     )
 }
+
+MODELS_GROUP = "miles.models"
+
+
+def builtin_models() -> dict[str, BuiltinModel]:
+    """The core's built-in models and those installed distributions declare (``miles.models``)."""
+    from importlib.metadata import entry_points
+
+    models = dict(BUILTIN_MODELS)
+    owners = dict.fromkeys(BUILTIN_MODELS, "miles-core")
+    for ep in sorted(entry_points(group=MODELS_GROUP), key=lambda e: (e.name, e.value)):
+        dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
+        try:
+            spec = ep.load()
+        except Exception as err:
+            raise ModelError(
+                f"built-in model {ep.name!r} of {dist} ({ep.value}) does not load: {err}"
+            ) from err
+        if not isinstance(spec, BuiltinModel):
+            raise ModelError(
+                f"built-in model {ep.name!r} of {dist} ({ep.value}) is a {type(spec).__name__}, not a BuiltinModel"
+            )
+        if spec.name != ep.name:
+            raise ModelError(
+                f"built-in model entry point {ep.name!r} of {dist} names a model called {spec.name!r}"
+            )
+        if spec.name in models and models[spec.name] != spec:
+            raise ModelError(
+                f"built-in model {spec.name!r} is declared by both {owners[spec.name]} and {dist}"
+            )
+        models[spec.name] = spec
+        owners[spec.name] = dist
+    return models
+
 
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -158,9 +196,28 @@ def count_parameters(path: str | Path) -> int | None:
     return total
 
 
+# config.json keys Hugging Face MoE families use for their number of routed experts.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def routed_expert_count(path: str | Path) -> int:
+    """The number of routed experts of the model in ``path`` (0: a dense model), from its config.json
+    (a multimodal model's ``text_config`` too)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    for section in (config, config.get("text_config") or {}):
+        for key in _EXPERT_COUNT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
 def _spec(name: str) -> BuiltinModel:
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]
-    close = difflib.get_close_matches(name, list(BUILTIN_MODELS), n=1)
+    models = builtin_models()
+    if name in models:
+        return models[name]
+    close = difflib.get_close_matches(name, list(models), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ModelError(f"unknown built-in model {name!r}{hint} (known: {', '.join(BUILTIN_MODELS)})")
+    raise ModelError(f"unknown built-in model {name!r}{hint} (known: {', '.join(models)})")
