@@ -174,7 +174,8 @@ def test_unknown_key_without_a_close_match_lists_the_allowed_keys(pm) -> None:
     message = _problem(TINY, ["train.zzz=1"], pm)
     assert message.endswith(
         "unknown key 'train.zzz' (--set train.zzz=1); allowed in train: lr, weight_decay, betas, eps, grad_clip, "
-        "micro_batch_size, warmup_steps, steps_per_rollout, lr_schedule, lr_decay_steps, min_lr_ratio"
+        "micro_batch_size, warmup_steps, steps_per_rollout, lr_schedule, lr_decay_steps, min_lr_ratio, "
+        "use_rollout_routing_replay"
     )
 
 

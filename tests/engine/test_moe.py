@@ -76,6 +76,16 @@ def test_routed_experts_have_the_right_shape_and_match_the_routers(url: str, moe
             for layer in range(NUM_LAYERS)
         ]
         assert sum(same) >= 0.9 * len(same), "routing differs from the model's own routers"
+        # The prompt's rows: every prompt position but the last (whose row is the first output's),
+        # so that prompt + output rows cover every position a trainer's forward reads (R3).
+        assert out.prompt_routed_experts is not None and len(out.prompt_routed_experts) == len(prompt) - 1
+        want = local_routing(model, prompt)[: len(prompt) - 1]
+        same = [
+            set(row[layer]) == set(want[i, layer].tolist())
+            for i, row in enumerate(out.prompt_routed_experts)
+            for layer in range(NUM_LAYERS)
+        ]
+        assert sum(same) >= 0.9 * len(same), "prompt routing differs from the model's own routers"
         assert out.output_logprobs == pytest.approx(
             full_forward_logprobs(model, prompt, out.output_ids, 1.0), abs=1e-4
         )

@@ -73,6 +73,10 @@ class EngineCapabilities:
     # (receiver, why) for receivers it would have but could not load (a broken plugin): a run
     # that needs one is refused with the reason.
     unavailable: tuple[tuple[str, str], ...] = ()
+    # Whether its engines return MoE routing when a request asks (``return_routed_experts``): None if
+    # they cannot; else the engine options, as (key, value) pairs, that engines this run launches
+    # need for it (empty: none). A run that records routing is refused on a kind that cannot.
+    routing_capture: tuple[tuple[str, Any], ...] | None = None
     # Whether its engines take token ids: the driver then loads the policy's tokenizer for the
     # rollout and evaluation. An engine kind that generates something else (images from prompt
     # ids) sets False, and its rollout gets ``RolloutContext.tokenizer = None``.
@@ -176,6 +180,20 @@ NO_TRANSPORT_NEEDS = TransportNeeds()
 NO_ENGINE_CAPABILITIES = EngineCapabilities()
 NO_GENERATE_NEEDS = GenerateNeeds()
 NO_FILTER_NEEDS = FilterNeeds()
+
+
+def declare_records_routing(fn: T) -> T:
+    """Mark a generate (or whole-rollout) function that records MoE routing when the run asks for it:
+    with ``ctx.return_routed_experts`` it asks the engines for routing and fills every sample's
+    ``prompt_routed_experts`` and ``routed_experts`` (miles.routing). A run that records routing is
+    refused with a function that does not say so."""
+    fn.records_routing = True  # type: ignore[attr-defined]
+    return fn
+
+
+def declares_records_routing(component: object) -> bool:
+    """Whether a rollout or generate function declares that it records MoE routing."""
+    return getattr(component, "records_routing", False) is True
 
 
 def declare_needs(needs: object) -> Callable[[T], T]:

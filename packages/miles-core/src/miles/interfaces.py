@@ -129,6 +129,11 @@ class RolloutContext:
     # agent talks to, resolved settings, ...). Empty when no plugin contributes a service.
     services: dict[str, Any] = field(default_factory=dict)
 
+    # Ask the engines for MoE routing (``return_routed_experts``) and keep it on the samples, prompt and
+    # response (``Sample.prompt_routed_experts`` / ``routed_experts``): set when the run records routing
+    # (miles.routing.records_routing). A generate function that does so declares ``records_routing``.
+    return_routed_experts: bool = False
+
     # Routes requests over ``engines`` (miles.engines.router.Router): by session key for multi-turn
     # work, by load otherwise. Built from ``engines`` (and ``dp_sizes``) when not given.
     router: Any = None

@@ -72,8 +72,13 @@ class Sample:
     rollout_logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
-    # For MoE models: per response token, per layer, the expert ids the engine routed to.
+    # For MoE models: per response token, per sparse layer, the expert ids of the forward pass that
+    # produced it (row j: the routing at position len(prompt_ids) - 1 + j).
     routed_experts: list[list[list[int]]] | None = None
+    # The same for the prompt: row i is the routing at prompt position i, for every prompt position but
+    # the last (whose routing is routed_experts[0]). With routed_experts it covers every position the
+    # trainer's forward reads, which routing replay needs (miles.routing).
+    prompt_routed_experts: list[list[list[int]]] | None = None
     reward: float | None = None
     # Extra per-response-token signals, by name: a served teacher's ``teacher_logprobs`` or
     # ``opd_reverse_kl`` (recorded at rollout time), and what the trainer's scoring pass adds
@@ -114,6 +119,14 @@ class Sample:
             raise ValueError(
                 f"sample of prompt {self.prompt.index}: routed_experts not aligned with response"
             )
+        if self.prompt_routed_experts is not None:
+            want = max(len(self.prompt_ids) - 1, 0)
+            if len(self.prompt_routed_experts) != want:
+                raise ValueError(
+                    f"sample of prompt {self.prompt.index}: prompt_routed_experts has "
+                    f"{len(self.prompt_routed_experts)} rows; a prompt of {len(self.prompt_ids)} tokens "
+                    f"has {want} (every position but the last)"
+                )
 
 
 @dataclass
@@ -165,7 +178,9 @@ class GenerateOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int  # the engine's version when it answered
     text: str = ""
-    routed_experts: list[list[list[int]]] | None = None
+    routed_experts: list[list[list[int]]] | None = None  # per output token (see Sample.routed_experts)
+    # Per prompt position but the last (see Sample.prompt_routed_experts); set with routed_experts.
+    prompt_routed_experts: list[list[list[int]]] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     # The version each output token was sampled under (differs across a mid-request weight update).

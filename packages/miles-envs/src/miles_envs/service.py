@@ -100,6 +100,7 @@ def session_server(
         return
     from miles.capabilities import engine_client_factory
     from miles.engines.router import Router
+    from miles.routing import records_routing
     from miles_envs.session_server.app import ServerState
     from miles_envs.session_server.service import session_service
     from miles_envs.sessions import SessionStore
@@ -117,6 +118,7 @@ def session_server(
         max_seq_len=agentic.max_seq_len,
         router=Router(clients, dp_sizes=dp_sizes),
         chat_template_kwargs=agentic.chat_template_kwargs,
+        return_routed_experts=records_routing(config),
     )
     with session_service(state, host=a.server_host, port=a.server_port) as service:
         yield dataclasses.replace(agentic, server=service)

@@ -43,6 +43,8 @@ __all__ = ["FSDPBackend", "RankFailedError", "free_port"]
 log = logging.getLogger(__name__)
 
 LAUNCHERS = ("local", "ray")
+# Hugging Face model types whose routers routing replay hooks (miles_fsdp.routing.REPLAYABLE_ROUTERS).
+REPLAYABLE_MODEL_TYPES = ("qwen3_moe",)
 # What a backend whose state was offloaded to the CPU may still be asked to do.
 _WHILE_OFFLOADED = frozenset({"offload", "onload"})
 
@@ -53,6 +55,12 @@ class FSDPBackend:
     # Multi-LoRA (lora.adapters): one peft model holding every adapter, an optimizer per adapter,
     # each step's batch split by Sample.metadata[ADAPTER_KEY] (see miles.driver.adapters).
     trains_adapters = True
+
+    @staticmethod
+    def routing_replay_problem(model_path: str, config: Any) -> str | None:
+        """Why this backend cannot replay ``model_path``'s MoE routing under ``config`` (one sentence), or
+        None: it replays Qwen3-MoE through a forward hook on each router (``miles_fsdp.routing``)."""
+        return routing_replay_problem(model_path, getattr(config, "fsdp", None) or FSDPOptions())
 
     def __init__(self) -> None:
         self._ranks: RankGroup | None = None
@@ -77,6 +85,10 @@ class FSDPBackend:
         if launcher not in LAUNCHERS:
             raise ConfigError(f"fsdp: placement launcher {launcher!r} is not one of {list(LAUNCHERS)}")
         _check_model_dir(spec.model_path, "model")
+        if self.train_opts.use_rollout_routing_replay:
+            problem = routing_replay_problem(spec.model_path, self.opts)
+            if problem is not None:
+                raise ConfigError(f"train.use_rollout_routing_replay: backend 'fsdp' {problem}")
         if spec.temperature <= 0:
             raise ConfigError(
                 f"fsdp: the rollout temperature must be > 0 to compute log-probs, got {spec.temperature}"
@@ -166,7 +178,7 @@ class FSDPBackend:
         detached, and no scoring pass runs (exactly as before the option existed).
         """
         assert self.opts is not None and self.train_opts is not None
-        check_batch(batch)
+        check_batch(batch, replay=self.train_opts.use_rollout_routing_replay)
         if self._adapters:
             return self._train_adapters(batch)
         parts = mini_batches(len(batch.samples), self.train_opts.steps_per_rollout)
@@ -428,6 +440,29 @@ def _offload_metrics(results: list[dict[str, float]], what: str) -> dict[str, fl
         if all(key in r for r in results):
             out[f"{what}/{key}"] = sum(r[key] for r in results)  # summed over the ranks' GPUs
     return out
+
+
+def routing_replay_problem(model_path: str, options: FSDPOptions) -> str | None:
+    """See :meth:`FSDPBackend.routing_replay_problem`."""
+    import json
+
+    from miles.models.registry import routed_expert_count
+
+    if routed_expert_count(model_path) == 0:
+        return f"model {model_path} is dense (no routed experts): there is no MoE routing to replay"
+    with open(os.path.join(model_path, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in REPLAYABLE_MODEL_TYPES:
+        return (
+            f"replays the routers of {', '.join(REPLAYABLE_MODEL_TYPES)} models (a forward hook on "
+            f"transformers' router); this model's model_type is {model_type!r}"
+        )
+    if options.compile:
+        return (
+            "fsdp.compile compiles the decoder layers the router hooks live in (they read each "
+            "micro-batch's recorded routing); turn fsdp.compile off to replay routing"
+        )
+    return None
 
 
 def _check_model_dir(path: str, role: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from miles.errors import ComponentError
+from miles.routing import ExpertRow, replay_problem, routing_shape, sequence_routing
 from miles.types import Sample, TrainBatch
 
 if TYPE_CHECKING:
@@ -31,6 +32,9 @@ class Row:
     advantages: list[float]
     # Per-token extras by name (reference log-probs, the critic's old values, returns).
     scores: dict[str, list[float]] = field(default_factory=dict)
+    # MoE: the experts the rollout routed each position to, every position but the last
+    # (miles.routing.sequence_routing); None when the sample carries no routing.
+    routing: list[ExpertRow] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,11 +52,12 @@ class RankBatch:
     packed: bool = False  # each micro-batch is one unpadded row of concatenated samples
 
 
-def check_batch(batch: TrainBatch) -> None:
+def check_batch(batch: TrainBatch, *, replay: bool = False) -> None:
     """Raise on a batch the trainer cannot use, naming the sample and the field.
 
     A bad batch comes from the rollout function or the advantage estimator (both
     pluggable), so it is reported as a component error, before any rank sees it.
+    ``replay``: routing replay is on, so every sample must carry the routing of every position.
     """
     if not batch.samples:
         raise ComponentError(f"train batch of step {batch.step} has no samples")
@@ -75,6 +80,9 @@ def check_batch(batch: TrainBatch) -> None:
                 f"{where}: {len(adv)} advantages for {len(sample.response_ids)} response tokens; "
                 "the advantage estimator must return one value per response token"
             )
+        problem = replay_problem(sample) if replay else None
+        if problem is not None:
+            raise ComponentError(f"{where}: train.use_rollout_routing_replay is on, but the sample {problem}")
     if batch.num_loss_tokens == 0:
         raise ComponentError(
             f"train batch of step {batch.step}: no sample has a loss token (every loss_mask is 0)"
@@ -183,6 +191,7 @@ def sample_row(
         rollout_logprobs=list(sample.rollout_logprobs),
         advantages=list(advantages) if advantages is not None else [0.0] * len(sample.response_ids),
         scores=scores or {},
+        routing=sequence_routing(sample),
     )
 
 
@@ -255,6 +264,10 @@ class MicroBatchTensors:
     # (``cu_seq_lens_q`` ...), which attention backends that take boundaries read (miles_varlen,
     # flash_attention_2) and the mask-based ones ignore.
     boundaries: dict[str, Any] | None = None
+    # MoE, when a row carries routing: [B*L] (packed: [T]) positions in the flattened order the routers
+    # see them, x sparse layer x k, int64: the experts the rollout routed each position to, -1 where it
+    # recorded none (padding, each sample's last token, rows without routing).
+    routing: torch.Tensor | None = None
 
     def model_inputs(self) -> dict[str, Any]:
         """The keyword arguments of the model's forward for this micro-batch."""
@@ -326,4 +339,38 @@ def collate(
         scores={name: t.to(device) for name, t in scores.items()},
         position_ids=positions.to(device) if packed else None,
         boundaries=segment_kwargs([r.num_tokens for r in rows], device) if packed else None,
+        routing=routing_grid(rows, seq_len, packed=packed, device=device),
     )
+
+
+def routing_grid(
+    rows: list[Row], seq_len: int, *, packed: bool, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
+    """The rows' recorded routing laid out like the micro-batch's tokens, flattened as the routers see them.
+
+    Padded: row ``i``'s position ``t`` is ``i * seq_len + t``; packed: the rows follow each other in one
+    sequence of ``seq_len`` tokens. Positions without a recorded routing hold -1. None when no row
+    carries routing.
+    """
+    import torch
+
+    shapes = {shape for r in rows if (shape := routing_shape(r.routing or [])) is not None}
+    if not shapes:
+        return None
+    if len(shapes) != 1:
+        raise ValueError(f"collate: the rows' routing has different (layers, top-k) shapes {sorted(shapes)}")
+    ((layers, topk),) = shapes
+    total = seq_len if packed else len(rows) * seq_len
+    grid = torch.full((total, layers, topk), -1, dtype=torch.long)
+    offset = 0
+    for i, r in enumerate(rows):
+        start = offset if packed else i * seq_len
+        if r.routing:
+            if len(r.routing) != r.num_tokens - 1:
+                raise ValueError(
+                    f"collate: row {i} has routing for {len(r.routing)} positions; its {r.num_tokens} tokens "
+                    f"need {r.num_tokens - 1} (every position but the last)"
+                )
+            grid[start : start + len(r.routing)] = torch.tensor(r.routing, dtype=torch.long)
+        offset += r.num_tokens
+    return grid.to(device)

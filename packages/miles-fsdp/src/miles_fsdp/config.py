@@ -84,7 +84,10 @@ class FSDPOptions(BaseModel):
 
     @model_validator(mode="after")
     def _known_compile_backend(self) -> FSDPOptions:
-        if not self.compile and "compile_backend" in self.model_fields_set:
+        # Another backend than the default without compile is a mistake; the default itself is what
+        # every dumped section carries (the driver hands the ranks the section's model_dump()).
+        default_backend = type(self).model_fields["compile_backend"].default
+        if not self.compile and self.compile_backend != default_backend:
             raise ValueError("fsdp.compile_backend is set but fsdp.compile is false: set fsdp.compile: true")
         if self.compile:
             # Only when asked: importing dynamo costs about a second.

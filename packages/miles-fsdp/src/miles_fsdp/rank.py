@@ -7,6 +7,7 @@ methods in the same order with its own share of the data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ from miles.interfaces import (
     TransportStats,
 )
 from miles.lr_schedule import decay_steps, lr_multiplier
+from miles.routing import ROUTING_MISMATCH
 from miles_fsdp import checkpoint
 from miles_fsdp import lora as lora_mod
 from miles_fsdp.batching import OLD_LOGPROBS, MicroBatchTensors, RankBatch, collate
@@ -48,6 +50,7 @@ from miles_fsdp.models import (
     shard,
     source_dtype,
 )
+from miles_fsdp.routing import RouterReplay, replayable_routers
 from miles_fsdp.weights import iter_full_tensors
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,11 @@ class RankTrainer:
         if self.opts.logprob_projection == "chunked":
             check_projectable(trained, "policy")
         self.model = shard(trained, self.mesh, self.opts, "policy")
+        # MoE: the policy's routers are hooked to count how often their top-k differs from the routing
+        # the rollout recorded and, with train.use_rollout_routing_replay, to route as it did (R3).
+        self.routing: RouterReplay | None = None
+        if self.train_opts.use_rollout_routing_replay or replayable_routers(self.model):
+            self.routing = RouterReplay(self.model, replay=self.train_opts.use_rollout_routing_replay)
         # Each adapter's name on the engines -> its name in the peft model (empty: full training).
         self.adapters = lora_mod.peft_names(self.lora) if self.lora is not None else {}
         # Multi-LoRA: one optimizer (and schedule) per adapter, over that adapter's parameters only.
@@ -293,7 +301,8 @@ class RankTrainer:
                     out.append([])
                     continue
                 mb = collate(rows, self.device, packed=batch.packed)
-                per_name = {name: self._score_tensor(name, mb) for name in names}
+                with self._routed(mb):
+                    per_name = {name: self._score_tensor(name, mb) for name in names}
                 lengths = [len(r.response_ids) for r in rows]
                 out.append(
                     [{name: t[i, :n].tolist() for name, t in per_name.items()} for i, n in enumerate(lengths)]
@@ -352,16 +361,23 @@ class RankTrainer:
         loss_total = 0.0
         entropy_sum = 0.0
         tokens = 0
+        if self.routing is not None:
+            self.routing.take_counts()  # a scoring pass's counts are not this step's
         for rows in batch.micro_batches:
             if not rows:
                 self._idle_pass(self.model)
                 continue
             mb = collate(rows, self.device, packed=batch.packed)
-            loss_value, entropy, metrics = self._micro_step(mb, batch)
+            with self._routed(mb):
+                loss_value, entropy, metrics = self._micro_step(mb, batch)
             loss_total += loss_value
             entropy_sum += entropy
             tokens += mb.num_tokens
             acc.add(metrics, mb.num_loss_tokens)
+        if self.routing is not None:
+            mismatched, recorded = self.routing.take_counts()
+            if recorded:  # weighted by recorded (token, layer) pairs: the ranks' shares combine exactly
+                acc.add({ROUTING_MISMATCH: mismatched / recorded}, recorded)
         self._sync()
         t_fb = time.perf_counter()
         grad_norm = self._clip_grads(self.model)
@@ -493,6 +509,13 @@ class RankTrainer:
                 f"(got {type(loss).__name__} of shape {tuple(getattr(loss, 'shape', ()))})"
             )
         return out
+
+    def _routed(self, mb: MicroBatchTensors) -> contextlib.AbstractContextManager[None]:
+        """The policy's forward passes inside route ``mb``'s positions as the rollout did (replay on) and
+        count where their own top-k differs; a micro-batch without recorded routing routes freely."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        return self.routing.micro_batch(mb.routing)
 
     def _response_logprobs(
         self, model: nn.Module, mb: MicroBatchTensors

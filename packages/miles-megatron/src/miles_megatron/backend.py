@@ -89,8 +89,27 @@ def refusals(spec: BackendSpec, train: TrainSection, options: MegatronOptions, l
     return out
 
 
+def routing_replay_problem(model_path: str, options: MegatronOptions) -> str | None:
+    """Why this backend cannot replay ``model_path``'s MoE routing under ``options`` (one sentence), or None."""
+    try:
+        hf = HFModel.from_dir(model_path)
+    except ModelError as exc:
+        return str(exc)
+    if not hf.is_moe:
+        return f"model {model_path} is dense (no routed experts): there is no MoE routing to replay"
+    if options.device == "cpu":
+        return "megatron.device cpu cannot run a MoE model (megatron-core's router needs CUDA); use cuda"
+    return None
+
+
 class MegatronBackend:
     """``miles.interfaces.Backend`` on megatron-core; options come from the ``train`` and ``megatron`` sections."""
+
+    @staticmethod
+    def routing_replay_problem(model_path: str, config: Any) -> str | None:
+        """Why this backend cannot replay ``model_path``'s MoE routing under ``config``, or None: it replays
+        through megatron-core's own ``moe_enable_routing_replay`` machinery (``miles_megatron.routing``)."""
+        return routing_replay_problem(model_path, getattr(config, "megatron", None) or MegatronOptions())
 
     def __init__(self) -> None:
         self.layout: ParallelLayout | None = None
@@ -123,6 +142,10 @@ class MegatronBackend:
                 "megatron.device cpu cannot run a MoE model (megatron-core's router moves its weights to "
                 "CUDA in every forward); allowed: a dense model, or megatron.device cuda"
             )
+        if train.use_rollout_routing_replay:
+            replay_problem = routing_replay_problem(spec.model_path, options)
+            if replay_problem is not None and replay_problem not in problems:
+                problems.append(f"train.use_rollout_routing_replay: {replay_problem}")
         if problems:
             raise ConfigError("backend 'megatron': " + "; ".join(problems))
         from miles.plugins import validate_component_ref
@@ -163,7 +186,7 @@ class MegatronBackend:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         trainer = self._use("train_step")
         assert self.train_opts is not None
-        check_batch(batch)
+        check_batch(batch, replay=self.train_opts.use_rollout_routing_replay)
         parts = mini_batches(len(batch.samples), self.train_opts.steps_per_rollout)
         t0 = time.perf_counter()
         extra: dict[str, list[list[float]]] = {}

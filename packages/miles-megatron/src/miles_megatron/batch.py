@@ -11,6 +11,10 @@ format, which only Transformer Engine's attention reads).
 Alongside, the ``[B, R]`` response grids the ``Loss`` protocol takes (``LossInputs``): log-probs
 are read at ``rows`` of the flattened ``[B * L]`` logits, predict ``targets``, and land in
 ``slots`` of the flattened ``[B * R]`` grid.
+
+MoE samples that carry the rollout's routing (``miles.routing``) get it as ``MicroBatch.routing``,
+laid out as megatron's routers see the tokens: hidden states are ``[L, B, H]`` (sequence first)
+inside the model, flattened to ``L * B`` rows, so position ``t`` of row ``b`` is ``t * B + b``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from miles.errors import ComponentError
+from miles.routing import ExpertRow, replay_problem, routing_shape, sequence_routing
 from miles.types import Sample, TrainBatch
 
 # The policy's own log-probs before the first of several optimizer steps on one batch (PPO's "old").
@@ -39,6 +44,8 @@ class Row:
     rollout_logprobs: list[float]
     advantages: list[float]
     scores: dict[str, list[float]] = field(default_factory=dict)
+    # MoE: the experts the rollout routed every position but the last to (miles.routing.sequence_routing).
+    routing: list[ExpertRow] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +62,7 @@ def sample_row(
         rollout_logprobs=list(sample.rollout_logprobs),
         advantages=list(advantages) if advantages is not None else [0.0] * len(sample.response_ids),
         scores=scores or {},
+        routing=sequence_routing(sample),
     )
 
 
@@ -71,8 +79,9 @@ def batch_rows(batch: TrainBatch, extra: dict[str, list[list[float]]] | None = N
     return rows
 
 
-def check_batch(batch: TrainBatch) -> None:
-    """Refuse a batch the trainer cannot use, naming the sample and the field."""
+def check_batch(batch: TrainBatch, *, replay: bool = False) -> None:
+    """Refuse a batch the trainer cannot use, naming the sample and the field (``replay``: routing
+    replay is on, so every sample must carry the routing of every position)."""
     if not batch.samples:
         raise ComponentError(f"train batch of step {batch.step} has no samples")
     for i, (sample, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
@@ -87,6 +96,9 @@ def check_batch(batch: TrainBatch) -> None:
             raise ComponentError(
                 f"{where}: {len(adv)} advantages for {len(sample.response_ids)} response tokens"
             )
+        problem = replay_problem(sample) if replay else None
+        if problem is not None:
+            raise ComponentError(f"{where}: train.use_rollout_routing_replay is on, but the sample {problem}")
     if batch.num_loss_tokens == 0:
         raise ComponentError(f"train batch of step {batch.step}: no sample has a loss token")
 
@@ -145,6 +157,9 @@ class MicroBatch:
     response_lengths: list[int]
     cu_seqlens: torch.Tensor | None = None  # packed: [n + 1] int32 sample boundaries
     max_seqlen: int | None = None
+    # MoE: [L * B] positions (sequence first, as the routers see them) x sparse layer x k, int64: the
+    # experts the rollout routed each position to, -1 where none was recorded. None: no row carries any.
+    routing: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved: dict[str, Any] = {}
@@ -232,7 +247,37 @@ def collate(rows: list[Row], *, packed: bool = False, pad_id: int = 0) -> MicroB
         response_lengths=[len(r.response_ids) for r in rows],
         cu_seqlens=cu,
         max_seqlen=max(lengths) if packed else None,
+        routing=routing_grid(rows, seq_len, packed=packed),
     )
+
+
+def routing_grid(rows: list[Row], seq_len: int, *, packed: bool) -> torch.Tensor | None:
+    """The rows' recorded routing in the order megatron's routers see the tokens (sequence first).
+
+    The micro-batch is ``[n_rows, seq_len]`` tokens (packed: one row); inside the model they are
+    ``[seq_len, n_rows]``, so position ``t`` of row ``b`` is router row ``t * n_rows + b``. Positions
+    without a recorded routing hold -1. None when no row carries routing.
+    """
+    shapes = {shape for r in rows if (shape := routing_shape(r.routing or [])) is not None}
+    if not shapes:
+        return None
+    if len(shapes) != 1:
+        raise ValueError(f"collate: the rows' routing has different (layers, top-k) shapes {sorted(shapes)}")
+    ((layers, topk),) = shapes
+    n_rows = 1 if packed else len(rows)
+    grid = torch.full((n_rows, seq_len, layers, topk), -1, dtype=torch.long)
+    offset = 0
+    for i, r in enumerate(rows):
+        row, col = (0, offset) if packed else (i, 0)
+        if r.routing:
+            if len(r.routing) != r.num_tokens - 1:
+                raise ValueError(
+                    f"collate: row {i} has routing for {len(r.routing)} positions; its {r.num_tokens} tokens "
+                    f"need {r.num_tokens - 1} (every position but the last)"
+                )
+            grid[row, col : col + len(r.routing)] = torch.tensor(r.routing, dtype=torch.long)
+        offset += r.num_tokens
+    return grid.transpose(0, 1).reshape(seq_len * n_rows, layers, topk)
 
 
 def token_logprobs(

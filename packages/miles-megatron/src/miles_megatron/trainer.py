@@ -46,6 +46,7 @@ from miles.config.schema import TrainSection
 from miles.errors import ComponentError, ModelError
 from miles.interfaces import BackendSpec, CorrectionOutput, LossInputs, LossOutput, TransportStats
 from miles.lr_schedule import decay_steps, lr_multiplier
+from miles.routing import ROUTING_MISMATCH
 from miles_megatron.batch import OLD_LOGPROBS, MicroBatch, Row, collate, token_logprobs
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import Spec, hf_to_megatron
@@ -54,6 +55,7 @@ from miles_megatron.hf_config import HFModel
 from miles_megatron.layout import ParallelLayout
 from miles_megatron.offload import StorageOffloader
 from miles_megatron.parallel import megatron_parallel
+from miles_megatron.routing import REPLAY_FIELD, RouterHooks, routers_of, supports_replay
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +132,23 @@ class MegatronTrainer:
 
         self.hf = HFModel.from_dir(spec.model_path)
         self.dtype = DTYPES[options.params_dtype]
-        self.config = transformer_config(self.hf, layout, options.params_dtype, cpu_init=not self.cuda)
+        replay = train.use_rollout_routing_replay
+        if replay and not supports_replay():
+            raise ComponentError(
+                f"train.use_rollout_routing_replay: this megatron-core has no TransformerConfig.{REPLAY_FIELD} "
+                "(0.16 and later have it); upgrade megatron-core"
+            )
+        self.config = transformer_config(
+            self.hf,
+            layout,
+            options.params_dtype,
+            cpu_init=not self.cuda,
+            **({REPLAY_FIELD: True} if replay else {}),
+        )
         gpt = gpt_model(self.hf, self.config, layer_spec).to(self.device)
+        # MoE: the routers count where their top-k differs from the routing the rollout recorded and,
+        # with replay on, route as it did (R3; miles_megatron.routing).
+        self.routing = RouterHooks(routers_of(gpt), replay=replay) if self.hf.is_moe else None
         if not self.cuda:
             from miles_megatron.cpu import install_cpu_model
 
@@ -238,6 +255,8 @@ class MegatronTrainer:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
+            if self.routing is not None:
+                self.routing.begin(mb.routing)
             logits = model(
                 input_ids=mb.tokens,
                 position_ids=mb.position_ids,
@@ -317,6 +336,8 @@ class MegatronTrainer:
             group["lr"] = lr
         kind = self.loss_kind()
         requires = frozenset(getattr(self.loss_fn, "requires", ()))
+        if self.routing is not None:
+            self.routing.take_counts()  # a scoring pass's counts are not this step's
 
         def loss_func(mb: MicroBatch, n: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             logprobs, entropy = token_logprobs(logits, mb, self.spec.temperature)
@@ -397,6 +418,10 @@ class MegatronTrainer:
                 "time/train_step/optimizer_s": t_opt - t_fb,
             }
         )
+        if self.routing is not None:
+            mismatched, recorded = self.routing.take_counts()
+            if recorded:
+                metrics[ROUTING_MISMATCH] = mismatched / recorded
         if self.cuda:
             metrics["train/cuda_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics

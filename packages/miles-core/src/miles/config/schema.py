@@ -96,6 +96,13 @@ class RolloutSection(Section):
         description="write every step's samples (tokens, text, rewards, log-probs, versions, status) to "
         "rollouts/step_NNNNNN.jsonl in the run directory (docs/observability.md)",
     )
+    record_routed_experts: bool = Field(
+        False,
+        description="MoE: ask the engines for the experts every MoE layer routed each token to (prompt and "
+        "response) and keep them on the samples; the trainer then logs train/routing_mismatch, the share "
+        "of tokens x layers its own router would route differently (train.use_rollout_routing_replay "
+        "turns it on; docs/training.md)",
+    )
 
     @model_validator(mode="after")
     def _options_name_postprocessors(self) -> RolloutSection:
@@ -266,6 +273,14 @@ class TrainSection(Section):
     )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, lt=1.0, description="cosine only: the floor the decay ends at, as a fraction of lr"
+    )
+    use_rollout_routing_replay: bool = Field(
+        False,
+        description="MoE (R3): the trainer's MoE layers route every token to the experts the engine routed "
+        "it to at rollout (prompt and response, recorded per sample) instead of recomputing their top-k, "
+        "so training routes as the rollout did; gradients still reach the router through the routing "
+        "weights. Records routing (rollout.record_routed_experts); refused for a dense model or a backend "
+        "that cannot replay (docs/training.md)",
     )
 
     @model_validator(mode="after")
@@ -622,6 +637,16 @@ class MilesConfig(Section):
             if self.warm_start is not None:
                 raise ValueError(
                     "warm_start runs an SFT stage before RL; an SFT recipe needs none (remove it)"
+                )
+            if self.train.use_rollout_routing_replay or self.rollout.record_routed_experts:
+                which = (
+                    "train.use_rollout_routing_replay"
+                    if self.train.use_rollout_routing_replay
+                    else "rollout.record_routed_experts"
+                )
+                raise ValueError(
+                    f"{which} works on MoE routing the engines record at rollout; mode 'sft' has no "
+                    "rollouts (turn it off)"
                 )
             return self
         if self.schedule == "fully_async":

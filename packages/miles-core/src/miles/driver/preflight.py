@@ -20,6 +20,7 @@ from miles.config.schema import MilesConfig
 from miles.driver.adapters import check_adapters
 from miles.driver.components import Components, build_components
 from miles.driver.hooks import Hooks
+from miles.driver.routing_replay import check_routing_replay
 from miles.errors import ConfigError
 from miles.tracking.registry import check_trackers
 from miles.tracking.summaries import check_plot_requirements
@@ -61,6 +62,7 @@ def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
     try:
         check_needs(config)  # the components fit together (transport, engine kind, generate fn, filters)
         check_adapters(config)  # multi-LoRA: what this slice runs (placement, schedule, backend)
+        check_routing_replay(config, model_path)  # MoE routing: model, engine kind, rollout, backend
         if config.mode == "rl":
             from miles.driver.fleet import settings_from
 

@@ -24,6 +24,7 @@ from miles.driver.objective import Objective
 from miles.errors import ConfigError, EngineError
 from miles.interfaces import Backend, BackendSpec, EngineLauncher, EngineSpec, TransportStats
 from miles.plugins import load_component, make_component
+from miles.routing import records_routing
 from miles.types import TrainBatch
 
 
@@ -56,6 +57,11 @@ def rollout_engines(
             **eng.options,
         }
         launcher: EngineLauncher = make_component("engine", eng.launcher)
+        capture = engine_capabilities(launcher).routing_capture
+        if records_routing(config) and capture and not eng.urls:
+            # What the engine kind needs to return MoE routing (the pre-flight refused a kind that cannot).
+            # Attached servers were configured when they started.
+            options.update(dict(capture))
         # The transport says what its engine-side receiver needs (a hand-off directory, a delta
         # directory, flat buckets): options for the engines, and the matching ones for itself.
         prepare = getattr(load_component("transport", config.transport), "prepare_engines", None)

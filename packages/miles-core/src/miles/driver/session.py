@@ -38,6 +38,7 @@ from miles.driver.start import RunStart
 from miles.driver.training import make_train_batch
 from miles.interfaces import Backend, RolloutContext
 from miles.plugins import load_component
+from miles.routing import records_routing
 from miles.run_dir import LoopState, RunDir
 from miles.tracking.registry import start_trackers
 from miles.tracking.timing import timed
@@ -422,6 +423,7 @@ def _rollout_context(
         options=dict(r.options),
         on_sample_done=console.sample_done if console is not None else None,
         dp_sizes=dp_sizes,
+        return_routed_experts=records_routing(config),
     )
 
 

@@ -14,8 +14,10 @@ relied on; they follow SGLang's ``http_server.py`` / ``io_struct.py``:
   ``weight_version`` (a string; Miles writes integers) and, for MoE models,
   ``routed_experts``: base64 of little-endian int32 with logical shape
   ``(prompt_len + output_len - 1, num_moe_layers, topk)`` covering every token
-  the model consumed. The client keeps the last ``output_len`` rows: row ``j``
-  is the routing of the forward pass that produced output token ``j``.
+  the model consumed. Row ``j`` of the last ``output_len`` rows is the routing of
+  the forward pass that produced output token ``j`` (``GenerateOutput.routed_experts``);
+  the rows before them are the prompt's other positions
+  (``GenerateOutput.prompt_routed_experts``, which routing replay needs too).
 - Scoring (``score``): ``POST /generate`` with ``max_new_tokens`` 0,
   ``return_logprob``, ``logprob_start_len`` and optionally ``top_logprobs_num`` /
   ``token_ids_logprob``. The answer's ``meta_info.input_token_logprobs`` has one
@@ -448,7 +450,7 @@ def parse_generate_response(
                 f"{where}: output_ids ({len(output_ids)} tokens) disagree with output_token_logprobs "
                 f"({len(ids_from_logprobs)} tokens)"
             )
-    routed = None
+    routed = prompt_routed = None
     if meta.get("routed_experts") is not None:
         prompt_tokens = int(meta.get("prompt_tokens", prompt_len))
         all_rows = decode_routed_experts(
@@ -464,6 +466,7 @@ def parse_generate_response(
             raise EngineError(
                 f"{where}: routed experts cover {len(all_rows)} tokens, expected {prompt_tokens + len(output_ids) - 1}"
             )
+        prompt_routed = all_rows[: max(prompt_tokens - 1, 0)]
     version = parse_weight_version(meta.get("weight_version"), where=where)
     token_versions = meta.get("output_token_weight_versions")
     if token_versions is None:
@@ -484,6 +487,7 @@ def parse_generate_response(
         weight_version=version,
         text=data.get("text") or "",
         routed_experts=routed,
+        prompt_routed_experts=prompt_routed,
         prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
         cached_tokens=int(meta.get("cached_tokens") or 0),
         output_weight_versions=token_versions,

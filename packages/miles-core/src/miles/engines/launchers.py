@@ -448,6 +448,8 @@ class _EmbeddedCapabilities:
             receivers=BUILTIN_RECEIVERS | frozenset(found.loaded),
             flat_receivers=FLAT_BUILTIN_RECEIVERS | frozenset(n for n, r in found.loaded.items() if r.flat),
             unavailable=tuple(sorted(found.broken.items())),
+            # Records the routers' choices whenever a request asks (MoE models; both KV paths).
+            routing_capture=(),
         )
 
 
@@ -638,7 +640,11 @@ class SGLangLauncher(_ProcessLauncher):
     name = "sglang"
     # SGLang joins a torch.distributed weight group (/init_weights_update_group); the other
     # receivers are the embedded engine's own endpoints.
-    capabilities = EngineCapabilities(receivers=frozenset({"weight-group"}))
+    capabilities = EngineCapabilities(
+        receivers=frozenset({"weight-group"}),
+        # A server returns MoE routing only when started with --enable-return-routed-experts.
+        routing_capture=(("enable_return_routed_experts", True),),
+    )
     Options = SGLangOptions  # engine.options
     attach_timeout_cap_s = 60.0
     launch_only_options = frozenset(

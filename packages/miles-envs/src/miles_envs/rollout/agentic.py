@@ -21,7 +21,7 @@ import logging
 import traceback
 from typing import Any
 
-from miles.capabilities import NoOptions, declare_needs, declare_options
+from miles.capabilities import NoOptions, declare_needs, declare_options, declare_records_routing
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import RolloutContext
 from miles.types import INFRA_EXIT_REASONS, ExitReason, Sample, SamplingParams, Status
@@ -38,6 +38,7 @@ log = logging.getLogger("miles.rollout")
     AgenticNeeds(model_family=True, session_server=True, sync_only_update_modes=True, branching=True)
 )
 @declare_options(NoOptions)  # reads no rollout.options (its settings are the agentic section)
+@declare_records_routing  # the session server records every turn's routing when the run asks
 async def agentic_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     agentic = agentic_context(ctx, "agentic")
     if agentic.server is None or agentic.agent is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from miles.capabilities import NoOptions, declare_needs, declare_options
+from miles.capabilities import NoOptions, declare_needs, declare_options, declare_records_routing
 from miles.interfaces import RolloutContext
 from miles.types import ExitReason, GenerateOutput, Sample, SamplingParams
 from miles_envs.context import AgenticContext, AgenticNeeds, agentic_context
@@ -33,6 +33,7 @@ log = logging.getLogger("miles.rollout")
 # change would break; it plays the agent itself, so no session server.
 @declare_needs(AgenticNeeds(model_family=True, sync_only_update_modes=True))
 @declare_options(NoOptions)  # reads no rollout.options (its settings are the agentic section)
+@declare_records_routing  # every turn's routing, prompt suffixes included (session_server.turns)
 async def multi_turn_generate(ctx: RolloutContext, sample: Sample) -> list[Sample]:
     agentic = agentic_context(ctx, "multi_turn")
     session = LinearSession(matcher=agentic.matcher or strict)
@@ -48,6 +49,8 @@ async def _episode(
     async def generate(input_ids: list[int], params: SamplingParams) -> GenerateOutput:
         # Every turn goes where the episode's first turn went: that engine holds its prefix.
         async with ctx.router.request(session.id, sticky=True) as route:
+            if ctx.return_routed_experts:
+                return await route.generate(input_ids, params, return_routed_experts=True)
             return await route.generate(input_ids, params)
 
     messages = prompt_messages(sample.prompt)

@@ -131,6 +131,8 @@ class ServerState:
     max_seq_len: int | None = None
     router: Router | None = None  # default: affinity routing over ``engines``
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # Ask the engines for MoE routing and record it with every turn (a run that records routing).
+    return_routed_experts: bool = False
     _usage: dict[str, SessionUsage] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -325,6 +327,8 @@ def create_app(state: ServerState) -> FastAPI:
             # The session id is the routing key: every turn goes where its prefix is. An
             # EngineError is answered 502 (``engine_error``).
             async with state.routes.request(session_id, sticky=True) as route:
+                if state.return_routed_experts:
+                    return await route.generate(input_ids, sampling, return_routed_experts=True)
                 return await route.generate(input_ids, sampling)
 
         try:

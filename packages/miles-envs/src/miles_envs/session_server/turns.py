@@ -9,7 +9,8 @@ agent and one driven by Miles itself record exactly the same tokens:
    (``suffix_ids``) to the checkpoint's prompt and output ids;
 3. the engine generates from those ids;
 4. the family parses the output into an assistant message, and the session records the
-   checkpoint (prompt suffix, output ids, log-probs, versions, routed experts).
+   checkpoint (prompt suffix, output ids, log-probs, versions, routed experts: the output's and,
+   when the engine returned the prompt's, the suffix's).
 
 A plan that fails before its commit is abandoned (the session context manager does it), so
 a failed turn leaves the session as it was.
@@ -21,9 +22,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from miles.routing import NOT_RECORDED
 from miles.types import GenerateOutput, SamplingParams
 from miles_envs.families.base import ParsedReply, Thinking
 from miles_envs.sessions import Checkpoint, Session, SessionError
+from miles_envs.sessions.checkpoints import ExpertRow, expert_shape
 
 # Sends input ids to an engine (the caller routes it) and returns what the engine generated.
 Generate = Callable[[list[int], SamplingParams], Awaitable[GenerateOutput]]
@@ -110,6 +113,7 @@ async def complete_turn(
             assistant_message=reply.to_message(),
             weight_version=out.weight_version,
             routed_experts=out.routed_experts,
+            suffix_routed_experts=suffix_routing(out, len(prefix), len(suffix)),
         )
     return TurnResult(
         reply=reply,
@@ -119,6 +123,28 @@ async def complete_turn(
         cached_tokens=out.cached_tokens,
         checkpoint=checkpoint,
     )
+
+
+def suffix_routing(out: GenerateOutput, prefix_len: int, suffix_len: int) -> list[ExpertRow] | None:
+    """The routing of the forward passes that produced this turn's suffix tokens, from the engine's
+    prompt rows (None when it returned none).
+
+    Suffix token ``i`` sits at position ``prefix_len + i`` and was produced by the forward at the
+    position before it, so the rows are the prompt's from ``prefix_len - 1`` on: the first is the
+    routing of the previous turn's last output token, which that turn never fed to the model. A first
+    turn's first token was produced by no forward pass; its row is ``-1`` (not recorded) and the
+    trajectory turns the rest into ``Sample.prompt_routed_experts``.
+    """
+    rows = out.prompt_routed_experts
+    if rows is None:
+        return None
+    if prefix_len:
+        return [[list(layer) for layer in row] for row in rows[prefix_len - 1 : prefix_len - 1 + suffix_len]]
+    shape = expert_shape(rows) or expert_shape(out.routed_experts)
+    if shape is None:  # a one-token prompt and no output: nothing tells the shape, nothing to replay
+        return None
+    layers, topk = shape
+    return [[[NOT_RECORDED] * topk for _ in range(layers)], *rows]
 
 
 def finish_reason(engine_reason: str, reply: ParsedReply) -> str:

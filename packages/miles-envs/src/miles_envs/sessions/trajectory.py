@@ -18,7 +18,11 @@ Layout of the sample built from checkpoints ``c1 .. cn`` (root first):
   follows it), so staleness (current version - oldest version) counts the turn correctly.
 * ``routed_experts`` (MoE, when recorded): per response token, the experts of the forward
   pass that produced it; suffix tokens get the rows the caller recorded for them, or rows of
-  ``-1`` (route freshly) when it did not. The prompt's rows have no slot in a ``Sample``.
+  ``-1`` (not recorded) when it did not.
+* ``prompt_routed_experts``: the first turn's suffix rows (its rendered prompt's) but the first,
+  when recorded: the routing of every prompt position but the last. With ``routed_experts`` it
+  covers every position of the trajectory the trainer reads, as routing replay needs
+  (``miles.routing``); ``-1`` rows anywhere make replay refuse the sample.
 * ``status``: from the last turn: length limit -> truncated, engine abort -> aborted,
   otherwise completed; a failure reported by the caller (environment or agent error) makes
   it failed.
@@ -30,11 +34,12 @@ from collections.abc import Container, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
+from miles.routing import NOT_RECORDED
 from miles.types import Prompt, Sample, Status
 from miles_envs.sessions.checkpoints import Checkpoint, ExpertRow, expert_shape
 from miles_envs.sessions.store import LeafSelection, Session
 
-NO_EXPERT = -1  # a routed-expert id meaning "not recorded: let the router choose"
+NO_EXPERT = NOT_RECORDED  # a routed-expert id meaning "not recorded"
 
 
 def trajectory_status(last: Checkpoint, failure: str | None = None) -> Status:
@@ -92,6 +97,9 @@ def assemble(
         versions += node.weight_versions
         if experts is not None:
             experts += node.routed_experts or [[list(layer) for layer in pad] for _ in range(n)]  # type: ignore[union-attr]
+    root_rows = path[0].suffix_routed_experts
+    # The root's first row is the prompt's first token, which no forward pass produced.
+    prompt_experts = [[list(layer) for layer in row] for row in root_rows[1:]] if root_rows else None
     last = path[-1]
     meta: dict[str, Any] = {
         "checkpoint_ids": [c.id for c in path],
@@ -112,6 +120,7 @@ def assemble(
         loss_mask=mask,
         weight_versions=versions,
         routed_experts=experts,
+        prompt_routed_experts=prompt_experts if experts is not None else None,
         status=trajectory_status(last, failure),
         finish_reason=last.finish_reason,
         metadata=meta,
