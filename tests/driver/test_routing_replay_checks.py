@@ -54,6 +54,18 @@ async def whole_rollout(ctx, prompts):  # pragma: no cover - only loaded
     return []
 
 
+class WholeRollout:
+    """A rollout class that is the whole rollout (ignores its generate layer) and records routing."""
+
+    records_routing = True
+
+    def __init__(self, generate_fn: str = "default") -> None:
+        del generate_fn
+
+    async def __call__(self, ctx, prompts):  # pragma: no cover - only loaded
+        return []
+
+
 HERE = "driver.test_routing_replay_checks"
 
 
@@ -147,6 +159,14 @@ def test_recording_alone_needs_no_replaying_backend(models) -> None:
         f"rollout.generate_fn={HERE}:recording_generate",
     )
     _check(ok, models["moe"])
+    # A rollout class that says it records is taken at its word, whatever generate function is named.
+    whole = _config(
+        models["moe"],
+        "train.use_rollout_routing_replay=true",
+        f"rollout.fn={HERE}:WholeRollout",
+        f"rollout.generate_fn={HERE}:plain_generate",
+    )
+    _check(whole, models["moe"])
 
 
 def test_the_fsdp_backend_declares_what_it_replays(models) -> None:

@@ -6,9 +6,10 @@ that asks what one cannot is refused in one line naming it:
 
 - the model has routed experts (a dense model has nothing to record or replay);
 - the engine kind returns routing (``EngineCapabilities.routing_capture``);
-- the rollout records it: a rollout class runs the generate function it is given, which must
-  declare ``records_routing`` (``miles.capabilities.declare_records_routing``); a rollout that is a
-  plain function is the whole rollout and must declare it itself;
+- the rollout records it: a rollout function, or a rollout class that says so itself
+  (``records_routing = True``: one that is the whole rollout), declares ``records_routing``
+  (``miles.capabilities.declare_records_routing``); any other rollout class runs the generate
+  function it is given, which must declare it;
 - replay only: the backend replays, i.e. its class has ``routing_replay_problem(model_path, config)``
   and that finds nothing wrong with this model and recipe (one sentence when it does).
 
@@ -51,7 +52,8 @@ def check_routing_replay(config: MilesConfig, model_path: str) -> None:
             "declare no routing_capture); choose an engine kind that does"
         )
     rollout = load_component("rollout", config.rollout.fn)
-    if isinstance(rollout, type):  # a rollout class runs the generate function it is given
+    if isinstance(rollout, type) and not declares_records_routing(rollout):
+        # A rollout class runs the generate function it is given.
         if not declares_records_routing(load_component("generate", config.rollout.generate_fn)):
             refuse(
                 f"rollout.generate_fn {config.rollout.generate_fn!r} does not record MoE routing (it does not "

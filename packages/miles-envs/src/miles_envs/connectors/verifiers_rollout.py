@@ -78,6 +78,9 @@ class VerifiersRollout:
     """A rollout function whose trajectories are a verifiers environment's rollouts."""
 
     Options = VerifiersOptions
+    # Its trajectories are session-server sessions, which record every turn's MoE routing when the run
+    # asks (its own server gets ctx.return_routed_experts, the run's is configured from the recipe).
+    records_routing = True
 
     def __init__(self, generate_fn: str = "default") -> None:
         del generate_fn  # the environment is the whole rollout: there is no generate layer below
@@ -253,6 +256,7 @@ def _own_session_server(ctx: RolloutContext, opts: VerifiersOptions) -> Any:
         sampling=ctx.sampling,
         max_seq_len=opts.max_seq_len,
         chat_template_kwargs=opts.chat_template_kwargs,
+        return_routed_experts=ctx.return_routed_experts,
     )
     with session_service(state, host=opts.server_host) as service:
         yield service
