@@ -211,3 +211,67 @@ def test_the_agentic_check_finds_a_name_that_crept_back(tmp_path) -> None:
         CORE = saved
     assert any("imports miles_envs.sessions" in f for f in found)
     assert any("'agentic'" in f for f in found) and any("'multi_turn'" in f for f in found)
+
+
+# ------------------------------------------------------------------ diffusion is a plugin too
+
+# What only miles-diffusion knows (image trajectories, denoising): never a name in the core's code.
+DIFFUSION_IDENTIFIERS = ("diffusion", "denois", "flow_grpo", "image_reward")
+
+
+def _diffusion_names() -> set[str]:
+    from importlib.metadata import distribution
+
+    return {ep.name for ep in distribution("miles-diffusion").entry_points if ep.group.startswith("miles.")}
+
+
+def _diffusion_names_in(path: Path, names: set[str]) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    where = path.relative_to(CORE)
+    problems = [
+        f"{where}: names {name!r}"
+        for name in sorted(_identifiers(tree))
+        if any(word in name.lower() for word in DIFFUSION_IDENTIFIERS)
+    ]
+    if path != HINTS:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+                if text in names or text.startswith(("miles_diffusion", "miles-diffusion")):
+                    problems.append(f"{where}:{node.lineno}: names {text!r}, which miles-diffusion provides")
+    return problems
+
+
+def test_core_keeps_no_diffusion_names() -> None:
+    """The core's generic contracts (Sample.payload, EngineCapabilities.tokens, the miles.recipes and
+    miles.models groups) carry diffusion; not one of its names is in the core's code."""
+    names = _diffusion_names()
+    assert {"diffusion", "flow_grpo", "diffusion_grpo", "brightness", "tiny-flow-unet"} <= names
+    found = [p for path in _core_files() for p in _diffusion_names_in(path, names)]
+    assert found == []
+    from miles.config.schema import MilesConfig
+
+    assert "diffusion" not in MilesConfig.model_fields  # the section is miles-diffusion's
+
+
+def test_everything_diffusion_is_registered_by_miles_diffusion() -> None:
+    from importlib.metadata import distribution
+
+    core = {(ep.group, ep.name) for ep in distribution("miles-core").entry_points}
+    ours = [ep for ep in distribution("miles-diffusion").entry_points if ep.group.startswith("miles.")]
+    assert all(ep.value.startswith("miles_diffusion.") for ep in ours), ours
+    assert not core & {(ep.group, ep.name) for ep in ours}
+    groups = {ep.group for ep in ours}
+    assert {"miles.plugins", "miles.engines", "miles.backends", "miles.recipes", "miles.models"} <= groups
+
+
+def test_the_diffusion_check_finds_a_name_that_crept_in(tmp_path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(denoising_steps):\n    return 'flow_grpo'\n")
+    global CORE
+    saved, CORE = CORE, tmp_path
+    try:
+        found = _diffusion_names_in(bad, _diffusion_names())
+    finally:
+        CORE = saved
+    assert any("'denoising_steps'" in f for f in found) and any("'flow_grpo'" in f for f in found)

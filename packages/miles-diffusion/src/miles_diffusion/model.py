@@ -8,7 +8,9 @@ an integer id, and every image of one prompt shares one embedding row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -100,3 +102,67 @@ def flow_matching_error(
     """Per-sample mean squared error of the model's velocity at ``x_t`` against the target, [B]."""
     v = model(forward_noise(images, noise, t), t, prompts)
     return ((v - velocity_target(images, noise)) ** 2).flatten(1).mean(dim=1)
+
+
+# ----------------------------------------------------------------------------- on disk
+#
+# A model directory holds ``config.json`` (the shape, under ``ARCHITECTURE``) and ``model.safetensors``
+# (the FlowModel's state dict). The engine loads it, the backend loads and exports it, and the core
+# sees an ordinary model directory (``model.path: builtin:tiny-flow-unet`` builds one into its cache).
+
+ARCHITECTURE = "MilesTinyFlowUNet"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_pretrained(model: FlowModel, directory: str | Path) -> Path:
+    """Write ``model`` as a model directory (config.json + model.safetensors); returns the directory."""
+    from safetensors.torch import save_file
+
+    dest = Path(directory)
+    dest.mkdir(parents=True, exist_ok=True)
+    config = {"architecture": ARCHITECTURE, **asdict(model.config)}
+    (dest / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    save_file(state, str(dest / WEIGHTS_FILE), metadata={"format": "pt"})
+    return dest
+
+
+def read_model_config(directory: str | Path) -> TinyFlowModelConfig:
+    """The shape a model directory declares; one clear ValueError if it is not this package's model."""
+    path = Path(directory) / CONFIG_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{directory}: no readable {CONFIG_FILE} ({exc})") from None
+    if not isinstance(data, dict) or data.get("architecture") != ARCHITECTURE:
+        got = data.get("architecture") if isinstance(data, dict) else None
+        raise ValueError(
+            f"{directory}: {CONFIG_FILE} says architecture {got!r}; the diffusion engine and backend load "
+            f"{ARCHITECTURE!r} directories (e.g. model.path: builtin:tiny-flow-unet)"
+        )
+    known = {f.name for f in fields(TinyFlowModelConfig)}
+    values = {k: v for k, v in data.items() if k in known}
+    unknown = sorted(set(data) - known - {"architecture"})
+    if unknown:
+        raise ValueError(f"{directory}: {CONFIG_FILE} has unknown keys {unknown}")
+    if "block_out_channels" in values:
+        values["block_out_channels"] = tuple(values["block_out_channels"])
+    return TinyFlowModelConfig(**values)
+
+
+def load_pretrained(directory: str | Path, precision: PrecisionConfig | None = None) -> FlowModel:
+    """The model a directory holds, in eval mode; every tensor of the state dict must be there."""
+    from safetensors.torch import load_file
+
+    config = read_model_config(directory)
+    model = FlowModel(config, precision)
+    state = load_file(str(Path(directory) / WEIGHTS_FILE))
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def build_tiny_flow_unet(dest: Path, seed: int) -> None:
+    """Builder of the built-in ``tiny-flow-unet`` (``miles models build tiny-flow-unet``): the default
+    :class:`TinyFlowModelConfig` with random weights from ``seed`` (the package driver's model)."""
+    save_pretrained(build_tiny_model(TinyFlowModelConfig(), seed), dest)

@@ -62,7 +62,11 @@ def optimality_probability(
     rewards: torch.Tensor, group_size: int, adv_clip_max: float, eps: float = 1e-4
 ) -> torch.Tensor:
     """``r = 1/2 + 1/2 * clip(advantage, -m, m) / m`` with group-relative advantages, [B] in [0, 1]."""
-    advantages = group_advantages(rewards, group_size, eps)
+    return optimality_from_advantages(group_advantages(rewards, group_size, eps), adv_clip_max)
+
+
+def optimality_from_advantages(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
+    """``r = 1/2 + 1/2 * clip(advantage, -m, m) / m``, [B] in [0, 1]."""
     return 0.5 + 0.5 * advantages.clamp(-adv_clip_max, adv_clip_max) / adv_clip_max
 
 
@@ -103,7 +107,10 @@ class DiffusionNFTTrainer:
         cfg = self.objective
         images = rollout.trajectory.latents[:, -1]  # the sampled clean images, model range
         prompts = rollout.trajectory.prompts
-        r = optimality_probability(rollout.rewards, rollout.group_size, cfg.adv_clip_max, cfg.eps)
+        if rollout.advantages is not None:
+            r = optimality_from_advantages(rollout.advantages, cfg.adv_clip_max)
+        else:
+            r = optimality_probability(rollout.rewards, rollout.group_size, cfg.adv_clip_max, cfg.eps)
         self.model.train()
         batch = images.shape[0]
         draws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []

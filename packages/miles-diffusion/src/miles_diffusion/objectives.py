@@ -37,6 +37,12 @@ class TrainerConfig:
     """Flow-GRPO: fraction of the denoising steps re-scored and trained on each iteration."""
     steps_per_update: int = 2
     """Denoising steps (Flow-GRPO) or noise levels (DiffusionNFT) accumulated into one optimizer step."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    """AdamW's betas and epsilon (torch's defaults)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
 
 
 @dataclass(frozen=True)
@@ -44,12 +50,15 @@ class Rollout:
     """What the driver sampled and scored in one iteration.
 
     ``trajectory`` holds ``B`` trajectories, ``group_size`` consecutive ones per prompt;
-    ``rewards``: [B].
+    ``rewards``: [B]. ``advantages`` ([B]), when given, are used as they are (the core loop's
+    advantage estimator computed them); otherwise each objective derives them from the rewards of
+    each group of ``group_size``.
     """
 
     trajectory: Trajectory
     rewards: torch.Tensor
     group_size: int
+    advantages: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

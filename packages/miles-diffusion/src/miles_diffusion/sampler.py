@@ -18,6 +18,7 @@ the two compute a step's log-probability through the same code.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,16 +105,43 @@ def sample(
     model: FlowModel, prompts: torch.Tensor, config: SamplerConfig, generator: torch.Generator
 ) -> Trajectory:
     """Sample one trajectory per prompt id in ``prompts``; all noise comes from ``generator``."""
+    return _sample(model, prompts, config, lambda shape: torch.randn(shape, generator=generator))
+
+
+@torch.no_grad()
+def sample_seeded(
+    model: FlowModel, prompts: torch.Tensor, seeds: list[int], config: SamplerConfig
+) -> Trajectory:
+    """Sample one trajectory per prompt id, the noise of trajectory ``i`` from its own ``seeds[i]``.
+
+    So a trajectory depends on its prompt, its seed and the weights only, not on what else is in
+    the batch (the engine's form: requests are batched as they come)."""
+    if len(seeds) != prompts.shape[0]:
+        raise ValueError(f"{len(seeds)} seeds for {prompts.shape[0]} prompts; give one seed per trajectory")
+    generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+
+    def draw(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.stack([torch.randn(shape[1:], generator=g) for g in generators])
+
+    return _sample(model, prompts, config, draw)
+
+
+def _sample(
+    model: FlowModel,
+    prompts: torch.Tensor,
+    config: SamplerConfig,
+    draw: Callable[[tuple[int, ...]], torch.Tensor],
+) -> Trajectory:
     mc = model.config
     shape = (prompts.shape[0], mc.channels, mc.image_size, mc.image_size)
     times = timestep_schedule(config.num_steps)
-    x = torch.randn(shape, generator=generator)
+    x = draw(shape)
     latents = [x]
     log_probs = []
     for i in range(config.num_steps):
         t, t_next = float(times[i]), float(times[i + 1])
         mean, std = step_distribution(model, x, t, t_next, prompts, config.noise_level)
-        x = mean + std * torch.randn(shape, generator=generator)
+        x = mean + std * draw(shape)
         log_probs.append(gaussian_log_prob(x, mean, std))
         latents.append(x)
     return Trajectory(

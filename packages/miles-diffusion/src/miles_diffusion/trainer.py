@@ -20,7 +20,9 @@ __all__ = ["FlowGRPOTrainer", "TrainerConfig", "choose_steps", "make_optimizer"]
 
 def make_optimizer(model: FlowModel, config: TrainerConfig) -> torch.optim.Optimizer:
     """The AdamW optimizer every objective trains with."""
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=config.betas, eps=config.eps
+    )
 
 
 def choose_steps(num_steps: int, fraction: float, generator: torch.Generator) -> list[int]:
@@ -63,9 +65,11 @@ class FlowGRPOTrainer:
         return ((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2.0 * std**2)
 
     def train_on_rollout(self, rollout: Rollout, generator: torch.Generator) -> dict[str, float]:
-        """Group-relative advantages of the rollout's rewards, then :meth:`train_step` on a seeded
-        random subset of its denoising steps (``train_step_fraction``)."""
-        advantages = group_advantages(rollout.rewards, rollout.group_size, self.objective.eps)
+        """Group-relative advantages of the rollout's rewards (or the rollout's own advantages), then
+        :meth:`train_step` on a seeded random subset of its denoising steps (``train_step_fraction``)."""
+        advantages = rollout.advantages
+        if advantages is None:
+            advantages = group_advantages(rollout.rewards, rollout.group_size, self.objective.eps)
         trajectory = rollout.trajectory
         steps = choose_steps(trajectory.num_steps, self.config.train_step_fraction, generator)
         return self.train_step(trajectory, advantages, steps)

@@ -1,0 +1,230 @@
+"""The diffusion backend (``backend: diffusion``): the package's objectives behind the core's Backend.
+
+One process on the CPU, plain torch, inside the ``miles run`` process: it loads the model directory, builds the
+recipe's trajectory objective (``algorithm.loss``: ``flow_grpo`` or ``diffusion_nft``) with the
+``train:`` section's optimizer settings, and trains on the core's batches: each sample's
+:class:`~miles_diffusion.payload.TrajectoryPayload` (stacked into one batch of trajectories) and its
+one advantage from the core's estimator (``advantage: diffusion_grpo``). New weights go to the engines
+through the recipe's transport as the model's full state dict (the colocated hand-off on one machine).
+Checkpoints hold the weights (a model directory), the optimizer and the RNG states.
+
+FSDP2 through miles-fsdp is a later slice: this backend has one rank and no sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+from miles.config.schema import TrainSection
+from miles.errors import ConfigError
+from miles.interfaces import BackendSpec, Transport, TransportStats
+from miles.plugins import make_component
+from miles.types import Sample, TrainBatch
+from miles_diffusion.config import SECTION, DiffusionSection
+from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
+from miles_diffusion.losses import TrajectoryObjectiveLoss
+from miles_diffusion.model import FlowModel, load_pretrained, save_pretrained
+from miles_diffusion.objectives import (
+    ObjectiveContext,
+    Rollout,
+    RolloutObjective,
+    TrainerConfig,
+    build_objective,
+)
+from miles_diffusion.payload import payload_of, stack
+from miles_diffusion.rollout import DiffusionRolloutOptions
+from miles_diffusion.sampler import SamplerConfig, step_log_prob
+
+STATE_FILE = "trainer_state.pt"
+MODEL_DIR = "model"
+WHO = "backend 'diffusion'"
+
+
+class DiffusionBackend:
+    """``miles.interfaces.Backend`` for trajectory objectives (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._model: FlowModel | None = None
+        self._objective: RolloutObjective | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._transport: Transport | None = None
+        self._generator = torch.Generator()
+        self._sampler = SamplerConfig()
+        self._group_size = 1
+        self._engine_urls: list[str] = []
+        self._stack = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self, spec: BackendSpec) -> None:
+        section = DiffusionSection(**spec.options.get(SECTION, {}))
+        train = TrainSection(**spec.options["train"])
+        if spec.correction is not None:
+            raise ConfigError(f"{WHO} applies no token correction; set algorithm.correction: null")
+        if spec.scores or spec.critic is not None:
+            raise ConfigError(f"{WHO} computes no per-token scores and trains no critic ({spec.scores})")
+        loss = make_component("loss", spec.loss, spec.loss_options)
+        if not isinstance(loss, TrajectoryObjectiveLoss):
+            raise ConfigError(
+                f"{WHO} trains trajectory objectives (algorithm.loss: flow_grpo or diffusion_nft); "
+                f"{spec.loss!r} is a token loss"
+            )
+        run = spec.config or {}
+        rollout = run.get("rollout", {})
+        self._sampler = DiffusionRolloutOptions(**rollout.get("options", {})).sampler
+        self._group_size = int(rollout.get("n_samples_per_prompt", 1))
+        if section.torch_threads is not None:
+            torch.set_num_threads(section.torch_threads)
+        if section.deterministic:
+            self._stack.enter_context(deterministic_mode(spec.seed))
+        model = load_pretrained(spec.model_path)
+        if section.deterministic:
+            check_attention_backends(model)
+        trainer = TrainerConfig(
+            lr=train.lr,
+            weight_decay=train.weight_decay,
+            max_grad_norm=train.grad_clip if train.grad_clip is not None else math.inf,
+            train_step_fraction=section.train_step_fraction,
+            steps_per_update=section.steps_per_update,
+            betas=train.betas,
+            eps=train.eps,
+        )
+        objective = build_objective(loss.config, ObjectiveContext(model, trainer, self._sampler))
+        if not isinstance(objective, RolloutObjective):
+            raise ConfigError(f"{WHO}: objective {loss.objective!r} trains on given images, not on rollouts")
+        optimizer = getattr(objective, "optimizer", None)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"{WHO}: objective {loss.objective!r} keeps no optimizer the backend can checkpoint"
+            )
+        self._model, self._objective, self._optimizer = model, objective, optimizer
+        self._generator = torch.Generator().manual_seed(spec.seed)
+        self._engine_urls = list(spec.engine_urls)
+        transport: Transport = make_component("transport", spec.transport, spec.transport_options)
+        transport.connect(self._engine_urls, rank=0, world_size=1, device="cpu")
+        self._transport = transport
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        model, objective = self._ready()
+        samples = batch.samples
+        payloads = [payload_of(s, WHO) for s in samples]
+        trajectory = stack(payloads, WHO)
+        if payloads[0].sampler != self._sampler:
+            raise ConfigError(
+                f"{WHO}: the batch was sampled with {payloads[0].sampler}, but the trainer re-scores with "
+                f"{self._sampler} (rollout.options); they must agree"
+            )
+        # The engine-trainer gap before any update: the engine sampled each group as its own batch,
+        # the trainer scores the whole step's batch at once, and the two forward passes may round apart.
+        with torch.no_grad():
+            first = step_log_prob(model, trajectory, 0, self._sampler.noise_level)[0]
+        mismatch = float((first - trajectory.log_probs[:, 0]).abs().max())
+        advantages = torch.tensor([_one(row, s) for row, s in zip(batch.advantages, samples, strict=True)])
+        rewards = torch.tensor(
+            [s.reward if s.reward is not None else 0.0 for s in samples], dtype=torch.float32
+        )
+        rollout = Rollout(trajectory, rewards, self._group_size, advantages=advantages.to(torch.float32))
+        stats = objective.train_on_rollout(rollout, self._generator)
+        versions = [p.weight_version for p in payloads]
+        return {
+            **{f"train/{key}": float(value) for key, value in stats.items()},
+            "train/rollout_log_prob_mean": float(trajectory.log_probs.mean()),
+            "train/trajectories": float(len(samples)),
+            "train/logprob_mismatch_max": mismatch,
+            "train/oldest_weight_version": float(min(versions)),
+        }
+
+    def score(self, samples: list[Sample], names: list[str]) -> dict[str, list[list[float]]]:
+        if names:
+            raise ConfigError(f"{WHO} computes no per-token scores ({names})")
+        return {}
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, version: int) -> TransportStats:
+        model, _ = self._ready()
+        assert self._transport is not None
+        with torch.no_grad():
+            return self._transport.send(iter(model.state_dict().items()), version)
+
+    def reconnect_transport(self) -> None:
+        """A restarted engine rejoins: the transport talks to the engines over fresh connections."""
+        reconnect = getattr(self._transport, "reconnect", None)
+        if callable(reconnect):
+            reconnect(self._engine_urls)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str) -> None:
+        model, _ = self._ready()
+        assert self._optimizer is not None
+        os.makedirs(directory, exist_ok=True)
+        save_pretrained(model, os.path.join(directory, MODEL_DIR))
+        state = {
+            "optimizer": self._optimizer.state_dict(),
+            "generator": self._generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        torch.save(state, os.path.join(directory, STATE_FILE))
+
+    def load_checkpoint(self, directory: str) -> None:
+        model, _ = self._ready()
+        assert self._optimizer is not None
+        state_path = os.path.join(directory, STATE_FILE)
+        if not os.path.isfile(state_path):
+            raise ConfigError(
+                f"{WHO}: {directory} holds no {STATE_FILE}; it is not this backend's checkpoint"
+            )
+        restored = load_pretrained(os.path.join(directory, MODEL_DIR))
+        if restored.config != model.config:
+            raise ConfigError(f"{WHO}: the checkpoint holds a model of another shape ({restored.config})")
+        model.load_state_dict(restored.state_dict())
+        state = torch.load(state_path, weights_only=True)  # tensors and plain data only, never objects
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def export_hf(self, directory: str) -> None:
+        """The policy as a model directory (what the engine and ``model.path`` load)."""
+        model, _ = self._ready()
+        save_pretrained(model, directory)
+
+    # ------------------------------------------------------------------ placement
+
+    def offload(self) -> dict[str, float]:
+        """Colocated placement hands the devices to the engines while they sample; this backend trains
+        on the CPU, so there is nothing to move."""
+        return {}
+
+    def onload(self) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:
+        transport, self._transport = self._transport, None
+        try:
+            if transport is not None:
+                transport.close()
+        finally:
+            self._stack.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _ready(self) -> tuple[FlowModel, RolloutObjective]:
+        if self._model is None or self._objective is None:
+            raise RuntimeError(f"{WHO}: setup() has not run")
+        return self._model, self._objective
+
+
+def _one(row: list[float], sample: Sample) -> float:
+    if len(row) != 1:
+        raise ConfigError(
+            f"{WHO}: sample {sample.group_index} of prompt {sample.prompt.index} has {len(row)} advantage entries; "
+            "a trajectory takes exactly one (algorithm.advantage: diffusion_grpo)"
+        )
+    return float(row[0])

@@ -1,0 +1,18 @@
+"""The built-in models this package adds to ``builtin:NAME`` (the ``miles.models`` entry points).
+
+Only records: the builder runs (and imports torch and diffusers) when a model is first built.
+"""
+
+from __future__ import annotations
+
+from miles.models.registry import BuiltinModel
+
+TINY_FLOW_UNET = BuiltinModel(
+    "tiny-flow-unet",
+    "diffusion",
+    "MilesTinyFlowUNet",
+    "164.8K",
+    "random-init class-conditioned flow-matching UNet (diffusers UNet2DModel), 16x16 RGB, 4 prompt ids; "
+    "the tiny diffusion recipes' model",
+    "miles_diffusion.model:build_tiny_flow_unet",
+)

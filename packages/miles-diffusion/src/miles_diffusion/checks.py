@@ -1,0 +1,125 @@
+"""What a diffusion recipe may not ask for in this slice, refused before anything starts.
+
+The three diffusion components go together (engine kind, rollout, backend), and a trajectory
+objective needs the diffusion backend. Settings the token path has and this one would silently
+ignore (sampling temperature, token budgets, corrections, micro-batches, LR schedules) are refused
+when the recipe sets them, and so are the run shapes not wired yet (fully asynchronous schedule,
+evaluation, LoRA, distillation, warm start, Ray placement, a device other than the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.errors import ConfigError
+from miles.plugins import load_component
+
+ENGINE = "diffusion"
+ROLLOUT = "diffusion"
+BACKEND = "diffusion"
+
+
+def _is_trajectory_loss(config: Any) -> bool:
+    from miles_diffusion.losses import TrajectoryObjectiveLoss
+
+    name = config.algorithm.loss
+    if name is None:
+        advantage = load_component("advantage", config.algorithm.advantage)
+        name = getattr(advantage, "default_loss", None)
+    if name is None:
+        return False
+    loss = load_component("loss", name)
+    return isinstance(loss, type) and issubclass(loss, TrajectoryObjectiveLoss)
+
+
+def check_recipe(config: Any) -> None:
+    uses = {
+        "engine.launcher": config.engine.launcher == ENGINE,
+        "rollout.fn": config.rollout.fn == ROLLOUT,
+        "backend": config.backend == BACKEND,
+    }
+    trajectory_loss = _is_trajectory_loss(config)
+    if not any(uses.values()):
+        if trajectory_loss:
+            raise ConfigError(
+                f"algorithm.loss {config.algorithm.loss!r} is a diffusion trajectory objective; it needs "
+                "backend: diffusion (with engine.launcher: diffusion and rollout.fn: diffusion)"
+            )
+        return
+    missing = [key for key, used in uses.items() if not used]
+    if missing:
+        raise ConfigError(
+            "the diffusion engine kind, rollout and backend go together (trajectories have no tokens for the "
+            f"others); set {', '.join(f'{k}: diffusion' for k in missing)}"
+        )
+    if not trajectory_loss:
+        raise ConfigError(
+            f"backend 'diffusion' trains trajectory objectives; algorithm.loss {config.algorithm.loss!r} is not "
+            "one (use flow_grpo or diffusion_nft, with algorithm.advantage: diffusion_grpo)"
+        )
+    _refuse_unwired(config)
+    _refuse_token_settings(config)
+
+
+def _refuse_unwired(config: Any) -> None:
+    refusals = [
+        (
+            config.schedule != "sync",
+            "schedule 'fully_async' (trajectories carry no per-token versions to age)",
+        ),
+        (
+            config.eval is not None,
+            "eval (the evaluator generates tokens; the rollout logs rollout/reward_mean)",
+        ),
+        (config.lora is not None, "lora (LoRA merged on arrival is a later slice)"),
+        (config.distillation is not None, "distillation"),
+        (config.warm_start is not None, "warm_start"),
+        (config.placement.launcher != "local", "placement.launcher 'ray' (the backend is one local process)"),
+        (
+            config.engine.device != "cpu",
+            f"engine.device {config.engine.device!r} (engine and trainer run on the CPU)",
+        ),
+        (
+            (config.engine.dtype or config.model.dtype) != "float32",
+            "an engine dtype other than float32 (engine and trainer log-probabilities must agree)",
+        ),
+        (
+            config.weight_sync.check_equal,
+            "weight_sync.check_equal (the diffusion engine has no /weights_checker)",
+        ),
+        (
+            config.algorithm.correction is not None,
+            "algorithm.correction (set it to null: there are no token log-probs)",
+        ),
+        (
+            config.algorithm.ref_model is not None,
+            "algorithm.ref_model (flow_grpo's kl_coef keeps its own reference)",
+        ),
+    ]
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(f"the diffusion slice cannot run {what}")
+
+
+def _refuse_token_settings(config: Any) -> None:
+    token_keys = {"max_new_tokens", "temperature", "top_p", "top_k", "generate_fn"}
+    set_here = sorted(token_keys & config.rollout.model_fields_set)
+    if set_here:
+        raise ConfigError(
+            f"rollout.{set_here[0]} is a token setting the diffusion rollout does not read; remove it (sampling is "
+            "rollout.options: num_steps, noise_level, seed)"
+        )
+    train = config.train
+    if "micro_batch_size" in train.model_fields_set:
+        raise ConfigError(
+            "train.micro_batch_size is not read by backend 'diffusion' (a step trains the whole batch)"
+        )
+    if train.steps_per_rollout != 1:
+        raise ConfigError(
+            "train.steps_per_rollout splits a batch into mini-batches; backend 'diffusion' steps the optimizer "
+            "every diffusion.steps_per_update denoising steps instead: leave it at 1"
+        )
+    if train.warmup_steps or train.lr_schedule != "constant":
+        raise ConfigError(
+            "backend 'diffusion' trains at a constant learning rate: remove warmup_steps / lr_schedule"
+        )

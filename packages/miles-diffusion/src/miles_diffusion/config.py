@@ -1,0 +1,31 @@
+"""The ``diffusion:`` recipe section: the diffusion backend's own settings (beside ``train:``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SECTION = "diffusion"
+
+
+class DiffusionSection(BaseModel):
+    """How the diffusion backend trains: one process on the CPU (the optimizer settings are ``train:``'s)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deterministic: bool = Field(
+        True,
+        description="torch's deterministic algorithms on for the trainer (and seeded RNGs); attention "
+        "processors without a deterministic mode are refused",
+    )
+    train_step_fraction: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="flow_grpo: share of the denoising steps re-scored and trained per step",
+    )
+    steps_per_update: int = Field(
+        2, ge=1, description="denoising steps (flow_grpo) or noise levels (diffusion_nft) per optimizer step"
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch threads of the trainer (None: as started)"
+    )

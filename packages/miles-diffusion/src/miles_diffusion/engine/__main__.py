@@ -1,0 +1,118 @@
+"""``python -m miles_diffusion.engine --model DIR [--host 127.0.0.1] [--port N]``: one diffusion engine."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m miles_diffusion.engine", description=__doc__)
+    p.add_argument("--model", required=True, help="a model directory (config.json + model.safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    p.add_argument("--device", default="cpu", help="cpu (the only device so far)")
+    p.add_argument(
+        "--dtype", default="float32", help="the engine computes in float32 (the only dtype so far)"
+    )
+    p.add_argument("--max-batch-size", type=int, default=64, help="most trajectories one request may ask for")
+    p.add_argument("--handoff-dir", default=None, help="directory of safetensors hand-off files (colocated)")
+    p.add_argument("--weight-version", type=int, default=0, help="the version the loaded weights are")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seeds torch's global RNG (requests bring their own)"
+    )
+    p.add_argument("--deterministic", action="store_true", help="torch's deterministic algorithms on")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(f"miles diffusion engine: port {port} on {host} is already in use") from None
+        raise SystemExit(f"miles diffusion engine: cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(512)
+    return sock
+
+
+def _exit_with_parent(pid: int) -> None:
+    """An engine whose driver died (killed, crashed) must not outlive it holding a port and memory."""
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    if args.dtype != "float32":
+        raise SystemExit(
+            f"miles diffusion engine: --dtype {args.dtype} is not supported yet; the engine computes in float32 "
+            "(so its log-probabilities match the trainer's exactly)"
+        )
+    if args.device != "cpu":
+        raise SystemExit(
+            f"miles diffusion engine: --device {args.device} is not supported yet; the engine runs on the CPU"
+        )
+    if args.max_batch_size < 1:
+        raise SystemExit(f"miles diffusion engine: --max-batch-size must be >= 1, got {args.max_batch_size}")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"miles diffusion engine: {args.model!r} is not a model directory (no config.json)")
+    sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
+    if args.parent_pid is not None:
+        _exit_with_parent(args.parent_pid)
+    import torch
+
+    threads = args.torch_threads or int(os.environ.get("MILES_TORCH_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if args.deterministic:
+        from miles_diffusion.deterministic import enable_deterministic_mode
+
+        enable_deterministic_mode(0 if args.seed is None else args.seed)
+    elif args.seed is not None:
+        torch.manual_seed(args.seed)
+    from miles_diffusion.engine.server import DiffusionEngine, serve
+
+    try:
+        engine = DiffusionEngine(
+            args.model,
+            device=args.device,
+            handoff_dir=args.handoff_dir,
+            weight_version=args.weight_version,
+            max_batch_size=args.max_batch_size,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"miles diffusion engine: {exc}") from None
+    if args.deterministic:
+        from miles_diffusion.deterministic import check_attention_backends
+
+        check_attention_backends(engine.model)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("miles_diffusion.engine").info("serving %s on http://%s:%d", args.model, host, port)
+    serve(engine, sock)
+
+
+if __name__ == "__main__":
+    main()

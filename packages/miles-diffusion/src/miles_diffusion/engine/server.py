@@ -1,0 +1,365 @@
+"""The diffusion engine's process: one model, one HTTP API (FastAPI), requests taken in turn.
+
+Endpoints (JSON bodies; errors are HTTP 400 with ``{"success": false, "message": ...}``):
+
+- ``POST /generate_trajectories`` ``{prompts: [id], seeds: [int], num_steps, noise_level}``: one
+  stochastic (SDE) trajectory per prompt, trajectory ``i`` drawn from ``seeds[i]`` alone. The answer
+  is a safetensors buffer (``miles_diffusion.wire``): every latent, every step's log-probability,
+  the timesteps, and the weight version in its header. Raw bytes, never base64 or pickle.
+- ``POST /update_weights_from_tensor``: the colocated transport's hand-off (safetensors files by
+  bare name in ``--handoff-dir``), staged per bucket; the bucket carrying ``weight_version``
+  commits the whole set, which must be the model's full state dict.
+- ``POST /update_weights_from_disk`` ``{model_path, weight_version}``: a whole model directory (the
+  fleet's catch-up of a restarted engine, from the trainer's export).
+- ``GET /get_weight_version``, ``POST /update_weight_version``, ``GET /health``,
+  ``GET /get_model_info``, ``GET /get_server_info``, ``POST /pause_generation`` and
+  ``/continue_generation`` (new requests wait while paused), ``/flush_cache`` (nothing is cached:
+  a no-op), ``/abort_request`` (a trajectory runs to its end: nothing to abort).
+
+Generation and weight loads share one lock, so a weight update lands between two requests, never
+inside one: every trajectory is drawn by one weight version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from miles.engines.client import HANDOFF_LOAD_FORMAT
+from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, read_model_config
+from miles_diffusion.sampler import SamplerConfig, sample_seeded
+from miles_diffusion.wire import MEDIA_TYPE, TrajectoryBatch, pack
+
+log = logging.getLogger("miles_diffusion.engine")
+
+MAX_STEPS = 1000
+
+
+class EngineRefusal(ValueError):
+    """A request the engine will not serve; its message is the whole answer."""
+
+
+# --------------------------------------------------------------------- requests
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateBody(_Body):
+    prompts: list[int] = Field(..., min_length=1, description="prompt ids, one trajectory each")
+    seeds: list[int] = Field(..., min_length=1, description="one noise seed per trajectory")
+    num_steps: int = Field(..., ge=1, le=MAX_STEPS, description="denoising (SDE) steps")
+    noise_level: float = Field(..., gt=0.0, description="the SDE's noise scale a (sigma_t = a sqrt(t/(1-t)))")
+
+
+class WeightVersionBody(_Body):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class UpdateFromTensorBody(_Body):
+    serialized_named_tensors: list[str] = Field(
+        ..., min_length=1, description="file names in the hand-off dir"
+    )
+    load_format: str | None = None
+    weight_version: str | None = Field(None, description="on an update's last bucket: commit, then serve it")
+    bucket_index: int | None = Field(None, ge=0, description="0 starts a new update")
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class UpdateFromDiskBody(_Body):
+    model_path: str
+    weight_version: str | None = None
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class PauseBody(_Body):
+    mode: str = "abort"
+
+
+class AbortBody(_Body):
+    rid: str | None = ""
+    abort_all: bool = False
+
+
+# ----------------------------------------------------------------------- engine
+
+
+def _version(value: str) -> int:
+    try:
+        version = int(value)
+    except ValueError:
+        raise EngineRefusal(f"weight_version {value!r} is not an integer") from None
+    if version < 0:
+        raise EngineRefusal(f"weight_version must be >= 0, got {version}")
+    return version
+
+
+class DiffusionEngine:
+    """The model and its state; every method that touches the weights holds ``lock``."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        handoff_dir: str | None = None,
+        weight_version: int = 0,
+        max_batch_size: int = 64,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        self.model: FlowModel = load_pretrained(model_path).to(self.device)
+        self.handoff_dir = Path(handoff_dir).resolve() if handoff_dir else None
+        self.weight_version = weight_version
+        self.max_batch_size = max_batch_size
+        self.lock = threading.Lock()
+        self._staged: dict[str, torch.Tensor] = {}
+        self._expected = {name: (tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()}
+
+    # ------------------------------------------------------------ generation
+
+    def check_generate(self, body: GenerateBody) -> None:
+        """Refuse a bad request before any work (one message naming what is wrong)."""
+        n = len(body.prompts)
+        if len(body.seeds) != n:
+            raise EngineRefusal(f"{len(body.seeds)} seeds for {n} prompts; give one seed per prompt")
+        if n > self.max_batch_size:
+            raise EngineRefusal(
+                f"{n} trajectories in one request; this engine takes at most {self.max_batch_size}"
+            )
+        k = self.model.config.num_prompts
+        bad = sorted({p for p in body.prompts if not 0 <= p < k})
+        if bad:
+            raise EngineRefusal(f"prompt ids {bad} are outside this model's 0..{k - 1}")
+        if not math.isfinite(body.noise_level):
+            raise EngineRefusal(f"noise_level must be finite, got {body.noise_level}")
+        if any(not 0 <= s < 2**63 for s in body.seeds):
+            raise EngineRefusal("seeds must lie in [0, 2**63)")
+
+    def generate(self, body: GenerateBody) -> bytes:
+        sampler = SamplerConfig(num_steps=body.num_steps, noise_level=body.noise_level)
+        prompts = torch.tensor(body.prompts, dtype=torch.int64, device=self.device)
+        with self.lock:
+            trajectory = sample_seeded(self.model, prompts, list(body.seeds), sampler)
+            version = self.weight_version
+        return pack(TrajectoryBatch(trajectory, list(body.seeds), sampler, version))
+
+    # ------------------------------------------------------------ weights
+
+    def _handoff_path(self, name: str) -> Path:
+        if self.handoff_dir is None:
+            raise EngineRefusal("this engine was started without --handoff-dir; it takes no hand-off files")
+        if not name or os.sep in name or (os.altsep and os.altsep in name) or name in (".", ".."):
+            raise EngineRefusal(
+                f"hand-off file {name!r} must be a bare file name inside the hand-off directory"
+            )
+        path = (self.handoff_dir / name).resolve()
+        if path.parent != self.handoff_dir or not path.is_file():
+            raise EngineRefusal(f"hand-off file {name!r} is not in the hand-off directory")
+        return path
+
+    def _checked(self, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+        unknown = sorted(set(tensors) - set(self._expected))
+        if unknown:
+            raise EngineRefusal(f"{where}: tensors {unknown[:5]} are not in this model's state dict")
+        for name, t in tensors.items():
+            shape, dtype = self._expected[name]
+            if tuple(t.shape) != shape:
+                raise EngineRefusal(
+                    f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the model's is {shape}"
+                )
+            if not t.dtype.is_floating_point:
+                raise EngineRefusal(f"{where}: tensor {name!r} has dtype {t.dtype}, expected {dtype}")
+        return {name: t.to(dtype) for name, t in tensors.items()}
+
+    def _commit(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        missing = sorted(set(self._expected) - set(tensors))
+        if missing:
+            raise EngineRefusal(
+                f"an update must carry the full weights; {len(missing)} tensors are missing (e.g. {missing[:3]})"
+            )
+        with self.lock:
+            self.model.load_state_dict(tensors, strict=True)
+            self.weight_version = version
+
+    def update_bucket(self, body: UpdateFromTensorBody) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        if body.load_format != HANDOFF_LOAD_FORMAT:
+            raise EngineRefusal(
+                f"load_format {body.load_format!r} is not accepted: this engine loads safetensors hand-off files "
+                f"only (load_format {HANDOFF_LOAD_FORMAT!r}); it never unpickles a payload"
+            )
+        paths = [self._handoff_path(name) for name in body.serialized_named_tensors]
+        if body.bucket_index == 0:
+            self._staged = {}
+        try:
+            tensors: dict[str, torch.Tensor] = {}
+            for path in paths:
+                try:
+                    tensors.update(load_file(str(path)))
+                except Exception as exc:
+                    raise EngineRefusal(
+                        f"hand-off file {path.name!r} is not a readable safetensors file: {exc}"
+                    ) from None
+            self._staged.update(self._checked(tensors, "weight update"))
+            if body.weight_version is None:
+                return {"success": True, "message": f"staged {len(tensors)} tensors", "committed": False}
+            version = _version(body.weight_version)
+            staged, self._staged = self._staged, {}
+            self._commit(staged, version)
+        except EngineRefusal:
+            self._staged = {}  # a refused bucket voids its update: the next one starts afresh
+            raise
+        return {"success": True, "message": f"weight version {version}", "committed": True}
+
+    def update_from_disk(self, body: UpdateFromDiskBody) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        if body.load_format not in (None, "auto", "safetensors"):
+            raise EngineRefusal(
+                f"load_format {body.load_format!r} is not supported; use 'auto' or 'safetensors'"
+            )
+        try:
+            config = read_model_config(body.model_path)
+        except ValueError as exc:
+            raise EngineRefusal(str(exc)) from None
+        if config != self.model.config:
+            raise EngineRefusal(f"{body.model_path} holds a model of another shape ({config})")
+        try:
+            tensors = load_file(str(Path(body.model_path) / WEIGHTS_FILE))
+        except Exception as exc:
+            raise EngineRefusal(f"{body.model_path}: cannot read {WEIGHTS_FILE}: {exc}") from None
+        version = self.weight_version if body.weight_version is None else _version(body.weight_version)
+        self._commit(self._checked(tensors, body.model_path), version)
+        return {"success": True, "message": f"loaded {body.model_path} as weight version {version}"}
+
+    def model_info(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {
+            "model_path": self.model_path,
+            "kind": "diffusion",
+            "config": asdict(self.model.config),
+            "weight_version": str(self.weight_version),
+        }
+
+
+# --------------------------------------------------------------------------- app
+
+
+def _refused(message: str, code: int = 400) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=code)
+
+
+def create_app(engine: DiffusionEngine) -> FastAPI:
+    app = FastAPI(title="Miles diffusion engine", description="Denoising trajectories for prompt ids.")
+    running = asyncio.Event()
+    running.set()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            parts.append(f"{where}: {err.get('msg')}")
+        return _refused(f"invalid request to {request.url.path}: " + "; ".join(parts))
+
+    @app.exception_handler(EngineRefusal)
+    async def _refusal(request: Request, exc: EngineRefusal) -> JSONResponse:
+        return _refused(f"{request.url.path}: {exc}")
+
+    @app.post("/generate_trajectories", summary="One SDE trajectory per prompt id (safetensors answer)")
+    async def generate_trajectories(body: GenerateBody) -> Response:
+        engine.check_generate(body)
+        await running.wait()
+        data = await asyncio.to_thread(engine.generate, body)
+        return Response(content=data, media_type=MEDIA_TYPE)
+
+    @app.post("/generate", summary="Not served: this engine takes prompt ids, not token ids")
+    async def generate(body: Annotated[dict[str, Any] | None, Body()] = None) -> JSONResponse:
+        return _refused(
+            "/generate takes token ids; the diffusion engine generates images from prompt ids: "
+            "POST /generate_trajectories"
+        )
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": str(engine.weight_version)}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: WeightVersionBody) -> dict[str, Any]:
+        version = _version(body.new_version)
+        with engine.lock:
+            engine.weight_version = version
+        return {"success": True, "message": f"weight version {version}", "new_version": str(version)}
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return engine.model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return {"dp_size": 1, "max_batch_size": engine.max_batch_size, "device": str(engine.device)}
+
+    @app.post(
+        "/update_weights_from_tensor", summary="Load hand-off files (staged until the versioned bucket)"
+    )
+    async def update_weights_from_tensor(body: UpdateFromTensorBody) -> dict[str, Any]:
+        return await asyncio.to_thread(engine.update_bucket, body)
+
+    @app.post("/update_weights_from_disk", summary="Load a whole model directory")
+    async def update_weights_from_disk(body: UpdateFromDiskBody) -> dict[str, Any]:
+        return await asyncio.to_thread(engine.update_from_disk, body)
+
+    @app.post("/pause_generation", summary="New requests wait until /continue_generation")
+    async def pause_generation(body: Annotated[PauseBody | None, Body()] = None) -> dict[str, Any]:
+        running.clear()
+        return {"status": "ok", "message": "generation paused"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(body: Annotated[dict[str, Any] | None, Body()] = None) -> dict[str, Any]:
+        running.set()
+        return {"status": "ok", "message": "generation continued"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], summary="Nothing is cached: a no-op")
+    async def flush_cache() -> PlainTextResponse:
+        return PlainTextResponse("Cache flushed (the diffusion engine keeps none).\n")
+
+    @app.post("/abort_request", summary="A trajectory runs to its end: nothing is aborted")
+    async def abort_request(body: AbortBody) -> dict[str, Any]:
+        return {"success": True, "aborted": 0}
+
+    return app
+
+
+# ---------------------------------------------------------------------- process
+
+
+def serve(engine: DiffusionEngine, sock: Any) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False, timeout_keep_alive=120)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[sock])
