@@ -99,10 +99,12 @@ class RankTrainer:
             check_projectable(trained, "policy")
         self.model = shard(trained, self.mesh, self.opts, "policy")
         # MoE: the policy's routers are hooked to count how often their top-k differs from the routing
-        # the rollout recorded and, with train.use_rollout_routing_replay, to route as it did (R3).
+        # the rollout recorded and, with train.use_rollout_routing_replay, to route as it did (R3). Not
+        # under fsdp.compile (replay is refused with it): the hooks would live in the compiled layers.
         self.routing: RouterReplay | None = None
-        if self.train_opts.use_rollout_routing_replay or replayable_routers(self.model):
-            self.routing = RouterReplay(self.model, replay=self.train_opts.use_rollout_routing_replay)
+        replay = self.train_opts.use_rollout_routing_replay
+        if replay or (not self.opts.compile and replayable_routers(self.model)):
+            self.routing = RouterReplay(self.model, replay=replay)
         # Each adapter's name on the engines -> its name in the peft model (empty: full training).
         self.adapters = lora_mod.peft_names(self.lora) if self.lora is not None else {}
         # Multi-LoRA: one optimizer (and schedule) per adapter, over that adapter's parameters only.
