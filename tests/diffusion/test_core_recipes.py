@@ -61,6 +61,7 @@ def test_a_builtin_model_name_two_distributions_declare_is_refused(fake_site) ->
         (["train.warmup_steps=3"], "constant learning rate"),
         (["data.path=prompts.jsonl"], "takes ids:N"),
         (["mode=sft"], "diffusion SFT runs through the package's own driver"),
+        (["rollout.n_samples_per_prompt=80"], "exceeds engine.max_batch_size 64"),
         (["algorithm.loss_options.beta=1.0"], "beta"),
         # The core's own capability check, on what the diffusion engine kind declares.
         (["transport=broadcast"], "does not have (it has: handoff-files)"),

@@ -99,6 +99,12 @@ def _refuse_unwired(config: Any) -> None:
     for refused, what in refusals:
         if refused:
             raise ConfigError(f"the diffusion slice cannot run {what}")
+    n, most = config.rollout.n_samples_per_prompt, config.engine.max_batch_size
+    if n > most:
+        raise ConfigError(
+            f"rollout.n_samples_per_prompt {n} exceeds engine.max_batch_size {most}: a group is one engine "
+            "request; raise engine.max_batch_size or draw fewer samples per prompt"
+        )
 
 
 def _refuse_token_settings(config: Any) -> None:
