@@ -26,7 +26,11 @@ if [[ $parts == *engine* ]]; then
         --out "$out/engine.json" ${ENGINE_ARGS:-} 2>&1 | tee "$out/engine.log"
 fi
 if [[ $parts == *mfu* ]]; then
+    # An 80 GB card (H100) does not hold the 16k-token micro-batches of the H200 figures: halve them.
+    mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1)
+    mfu_fit=""
+    if [ "${mem_mib:-0}" -lt 100000 ]; then mfu_fit="--micro-batch 4 --pack-tokens 8192"; fi
     python3 benchmarks/fsdp_mfu.py \
         --configs "${MFU_CONFIGS:-padded-full,packed-full,packed-full-compiled,padded-full-pageable}" \
-        --warmup 2 --steps "${MFU_STEPS:-3}" --offload-trips 2 --out "$out/mfu.json" 2>&1 | tee "$out/mfu.log"
+        --warmup 2 --steps "${MFU_STEPS:-3}" --offload-trips 2 --out "$out/mfu.json" $mfu_fit 2>&1 | tee "$out/mfu.log"
 fi
