@@ -18,7 +18,7 @@ def _block_causal_reference(q, k, v, lengths):
     total = sum(lengths)
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(total)
-    mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    mask = ((seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])).to(q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

@@ -21,7 +21,6 @@ which is what the padded path computes with no attention mask.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 from collections.abc import Callable
@@ -51,8 +50,7 @@ def segment_kwargs(lengths: list[int], device: torch.device | str) -> dict[str, 
     }
 
 
-@functools.cache
-def _varlen_kernel() -> tuple[Callable[..., Any], frozenset[str]] | None:
+def _find_varlen_kernel() -> tuple[Callable[..., Any], frozenset[str]] | None:
     """torch's variable-length flash attention and the keyword arguments this torch's version takes."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -61,11 +59,16 @@ def _varlen_kernel() -> tuple[Callable[..., Any], frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+# Looked up once at import, not per call: under fsdp.compile the attention call is traced, and a
+# plain module constant keeps the import and signature inspection out of the traced code.
+_VARLEN_KERNEL = _find_varlen_kernel()
+
+
 def _flash_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float | None
 ) -> torch.Tensor | None:
     """``[T, H, D]`` through the flash kernel, or None where it cannot run (CPU, float32, old torch)."""
-    kernel = _varlen_kernel()
+    kernel = _VARLEN_KERNEL
     if kernel is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return None
     fn, params = kernel
