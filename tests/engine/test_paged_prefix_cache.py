@@ -154,24 +154,54 @@ def test_flush_drops_the_trees_references_and_advances_the_generation() -> None:
         RadixCache(alloc, 0)
 
 
+def test_namespaces_keep_adapters_apart() -> None:
+    """Each LoRA adapter (a namespace; None is the base) has a tree of its own: the same tokens cached
+    under two namespaces are two sets of blocks, and dropping one namespace leaves the others."""
+    alloc = BlockAllocator(17, BS)
+    tree = RadixCache(alloc, 1000)
+    seq = list(range(1, 13))
+    base, adapter = alloc.allocate(3), alloc.allocate(3)
+    assert tree.insert(seq, base) == 3
+    assert tree.match(seq, 12, "a") == []  # the base's KV is not the adapter's
+    assert tree.insert(seq, adapter, "a") == 3  # the same tokens, other blocks
+    alloc.release(base + adapter)
+    assert tree.match(seq, 12) == base and tree.match(seq, 12, "a") == adapter
+    assert tree.match(seq, 12, "b") == []
+    assert tree.describe()["adapter_trees"] == 1
+    generation = tree.generation
+    assert tree.flush_namespace("a") == 3
+    assert tree.generation == generation + 1  # requests of that adapter started before do not insert
+    assert tree.match(seq, 12, "a") == [] and tree.match(seq, 12) == base
+    assert all(alloc.refcount(b) == 0 for b in adapter) and alloc.num_free == 16 - 3
+    assert tree.flush_namespace("nothing") == 0
+    tree.check()
+    assert tree.evict(3) == 3 and alloc.num_free == 16  # a namespace's root is never evicted
+    tree.check()
+    alloc.check()
+
+
 def test_random_operations_keep_the_tree_and_the_allocator_consistent() -> None:
-    """Requests admitted with their cached prefix, leaving, evictions and flushes, against a model of
-    the pool: every matched block holds the KV of exactly the request's prefix, and every reference is
+    """Requests admitted with their cached prefix (under the base or one of two adapters), leaving,
+    evictions and flushes (of all or of one adapter), against a model of the pool: every matched block
+    holds the KV of exactly the request's prefix under the request's adapter, and every reference is
     the tree's or a live request's."""
     rng = random.Random(0)
     alloc = BlockAllocator(41, BS)
     tree = RadixCache(alloc, 30 * BS)
     systems = [[rng.randrange(3) for _ in range(rng.choice((0, 4, 8, 9)))] for _ in range(4)]
-    written: dict[int, tuple[int, ...]] = {}  # block -> the token prefix its KV was computed for
-    live: list[tuple[list[int], list[int]]] = []
+    # block -> the adapter and token prefix its KV was computed for
+    written: dict[int, tuple[str | None, tuple[int, ...]]] = {}
+    live: list[tuple[list[int], list[int], str | None]] = []
+    namespaces = [None, None, "a", "b"]
     for step in range(4000):
         op = rng.random()
         if op < 0.4:
+            ns = rng.choice(namespaces)
             seq = rng.choice(systems) + [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
-            matched = tree.match(seq, len(seq) - 1)
+            matched = tree.match(seq, len(seq) - 1, ns)
             assert len(matched) * BS <= len(seq) - 1
             for i, b in enumerate(matched):
-                assert written[b] == tuple(seq[: (i + 1) * BS])
+                assert written[b] == (ns, tuple(seq[: (i + 1) * BS]))
             alloc.share(matched)
             need = alloc.blocks_for(len(seq)) - len(matched)
             if need > alloc.num_free:
@@ -181,22 +211,25 @@ def test_random_operations_keep_the_tree_and_the_allocator_consistent() -> None:
                 continue
             new = alloc.allocate(need)
             for j, b in enumerate(new):
-                written[b] = tuple(seq[: (len(matched) + j + 1) * BS])
-            live.append((seq, matched + new))
+                written[b] = (ns, tuple(seq[: (len(matched) + j + 1) * BS]))
+            live.append((seq, matched + new, ns))
         elif op < 0.8 and live:
-            seq, blocks = live.pop(rng.randrange(len(live)))
-            _leave(tree, alloc, seq, blocks)
-        elif op < 0.85:
+            seq, blocks, ns = live.pop(rng.randrange(len(live)))
+            tree.insert(seq, blocks[: len(seq) // BS], ns)
+            alloc.release(blocks)
+        elif op < 0.83:
             tree.flush()
+        elif op < 0.86:
+            tree.flush_namespace(rng.choice(["a", "b"]))
         elif op < 0.95:
             tree.evict(rng.randint(1, 5))
         tree.check()
         alloc.check()
-        holders = [b for _, blocks in live for b in blocks]
+        holders = [b for _, blocks, _ in live for b in blocks]
         for b in range(1, alloc.num_blocks):
             assert alloc.refcount(b) == (b in tree) + holders.count(b), (step, b)
     assert tree.evictions > 0 and tree.flushes > 0
-    for _, blocks in live:
+    for _, blocks, _ in live:
         alloc.release(blocks)
     tree.flush()
     assert alloc.num_free == alloc.num_blocks - 1

@@ -25,6 +25,14 @@ def make_adapter(
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     peft_model.save_pretrained(dest)
+    # With lm_head among the targets peft also saves the base's lm_head weight; the trainer's export
+    # (and so what the engines load) holds the lora_A / lora_B tensors only.
+    from safetensors.torch import load_file, save_file
+
+    path = dest / "adapter_model.safetensors"
+    saved = load_file(str(path))
+    if any("lora_" not in k for k in saved):
+        save_file({k: v for k, v in saved.items() if "lora_" in k}, str(path))
     return dest
 
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine.helpers import greedy_request
 
 from lora.helpers import forward_logprobs, merged_model, submit_all
 
@@ -88,21 +87,6 @@ def test_refusals(engine, tiny_base, adapters, tmp_path):
     engine.unload_lora_adapter("a")
     assert not engine.lora._hooks  # no hook left on the base
     assert not any(".lora_" in n for n in engine.weights.targets)
-
-
-def test_the_paged_path_refuses_adapters_with_the_fix(tiny_base, adapters):
-    from miles.engines.embedded.engine import EmbeddedEngine, EngineOptions
-    from miles.engines.embedded.lora import LoraError
-
-    eng = EmbeddedEngine(
-        EngineOptions(
-            model_path=str(tiny_base), device="cpu", dtype="float32", kv_cache="paged", kv_tokens=256
-        )
-    )
-    with pytest.raises(LoraError, match="--kv-cache dynamic"):
-        eng.load_lora_adapter("a", str(adapters["a"]))
-    with pytest.raises(ValueError, match="--kv-cache dynamic"):
-        greedy_request(eng, PROMPTS[0], max_new_tokens=2, lora="a")
 
 
 def test_client_bodies_name_the_adapter_as_sglang_does():

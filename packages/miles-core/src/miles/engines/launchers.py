@@ -101,6 +101,12 @@ class EmbeddedOptions(_EngineOptions):
         description="paged: launch decode step N+1 before reading step N, hiding the host's work "
         "(default true; false reads every step before the next)",
     )
+    max_loras: int | None = Field(
+        None, ge=1, description="paged: LoRA adapters loaded at once (preallocated slots; default 4)"
+    )
+    max_lora_rank: int | None = Field(
+        None, ge=1, description="paged: the largest LoRA rank an adapter slot holds (default 64)"
+    )
 
 
 class SGLangOptions(_EngineOptions):
@@ -515,6 +521,8 @@ class EmbeddedLauncher(_ProcessLauncher):
             "block_size",
             "cuda_graphs",
             "overlap",
+            "max_loras",
+            "max_lora_rank",
         }
     )
     launch_flags_hint = "start it with the matching `python -m miles.engines.embedded` flags (seed: --seed)"
@@ -560,6 +568,8 @@ class EmbeddedLauncher(_ProcessLauncher):
             "kv_tokens": "--kv-tokens",
             "chunk_tokens": "--chunk-tokens",
             "block_size": "--block-size",
+            "max_loras": "--max-loras",
+            "max_lora_rank": "--max-lora-rank",
         }
         from miles.engines.embedded.receivers import installed_receivers
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from miles.engines.embedded.lora import LoraError, LoraServing
+from miles.engines.embedded.lora import LoraServing
 from miles.engines.embedded.prefix_cache import PrefixCache
 from miles.engines.embedded.routing import RoutingRecorder
 from miles.engines.embedded.sampler import GenRequest, Runner, cache_is_mergeable
@@ -65,6 +65,12 @@ class EngineOptions:
     cuda_graphs: bool = True  # paged, CUDA: replay the decode step from CUDA graphs
     overlap: bool = True  # paged: launch decode step N+1 before reading step N (host work hidden)
     block_size: int = 16  # paged: tokens per KV block
+    # paged: LoRA adapters are served from this many preallocated slots, of rank at most
+    # max_lora_rank (paged/lora.py: a step with adapters costs two GEMMs of width
+    # max_loras * max_lora_rank per adapted linear, and each adapted linear keeps that many rows
+    # of factors); an adapter beyond them is refused at load. The DynamicCache path has no limit.
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
 
 def _is_flat(token_ids: list[int] | list[list[int]]) -> TypeIs[list[int]]:
@@ -193,27 +199,38 @@ class EmbeddedEngine:
             update_timeout_s=options.update_timeout_s,
             on_commit=self._on_commit,
         )
-        # LoRA adapters by name, applied per row without merging; the paged path has none.
-        self.lora: LoraServing | None = None
-        if self.paged is None:
+        # LoRA adapters by name, applied per row without merging (on the paged path from slots the
+        # decode graphs can read; the DynamicCache runner scoring requests there uses the same).
+        self.lora: LoraServing
+        if self.paged is not None:
+            from miles.engines.embedded.paged.lora import PagedLoraServing
+            from miles.engines.embedded.paged.scheduler import PagedScheduler
+
+            paged_scheduler = cast("PagedScheduler", self.scheduler)
+            self.lora = self.paged.lora = PagedLoraServing(
+                model,
+                self.weights,
+                self.scheduler.step_lock,
+                max_loras=options.max_loras,
+                max_rank=options.max_lora_rank,
+                in_use=paged_scheduler.adapter_requests,
+                on_adapter=paged_scheduler.flush_adapter_cache,
+                on_layout=self.paged.lora_layout_changed,
+            )
+        else:
             self.lora = LoraServing(model, self.weights, self.scheduler.step_lock)
-            runner.lora = self.lora
+        runner.lora = self.lora
 
     # ------------------------------------------------------------- LoRA
 
     def _on_commit(self, names: Sequence[str], version: str) -> None:
-        if self.lora is not None:
-            self.lora.on_commit(names, version)
-
-    def _lora(self) -> LoraServing:
-        if self.lora is None:
-            raise LoraError(
-                "LoRA adapters are served on the DynamicCache path only; start the engine with --kv-cache dynamic"
-            )
-        return self.lora
+        # (None only while __init__ builds the updater, before any update can commit)
+        lora = getattr(self, "lora", None)
+        if lora is not None:
+            lora.on_commit(names, version)
 
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
-        adapter = self._lora().load(name, path)
+        adapter = self.lora.load(name, path)
         log.info(
             "loaded LoRA adapter %r from %s (rank %d, %d modules)",
             name,
@@ -224,10 +241,10 @@ class EmbeddedEngine:
         return {"name": name, "rank": adapter.rank, "modules": len(adapter.factors)}
 
     def unload_lora_adapter(self, name: str) -> None:
-        self._lora().unload(name)
+        self.lora.unload(name)
 
     def lora_tensor_names(self, name: str) -> list[str]:
-        return self._lora().tensor_names(name)
+        return self.lora.tensor_names(name)
 
     # ------------------------------------------------------------- KV path
 
@@ -392,7 +409,7 @@ class EmbeddedEngine:
                 n, max_new_tokens, logprob_start_len, top_logprobs_num, token_ids_logprob
             )
         if lora is not None:
-            self._lora().check_name(lora)
+            self.lora.check_name(lora)
         stops = set(stop_token_ids) | (set() if ignore_eos else self.eos_ids)
         return GenRequest(
             lora=lora,
@@ -546,7 +563,7 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------ info
 
     def _adapter_version(self, name: str) -> str | None:
-        adapter = self.lora.adapters.get(name) if self.lora is not None else None
+        adapter = self.lora.adapters.get(name)
         return adapter.version if adapter is not None else None
 
     def model_info(self) -> dict[str, Any]:
@@ -605,7 +622,9 @@ class EmbeddedEngine:
             # None when disabled (prefix_cache_tokens 0, or a model whose caches cannot be merged);
             # on the paged path "kind" is "radix" and an entry is one cached KV block.
             "prefix_cache": self.scheduler.prefix_cache_info(),
-            "lora_adapters": self.lora.describe() if self.lora is not None else None,
+            "lora_adapters": self.lora.describe(),
+            # Paged path: the adapter slots (max_loras, max_rank, free, modules, bytes).
+            "lora_slots": self.lora.slots_info(),
             "torch_threads": torch.get_num_threads(),
             "pid": os.getpid(),
             "weight_version": self.weight_version,

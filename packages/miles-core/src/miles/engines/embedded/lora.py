@@ -14,8 +14,13 @@ the :class:`~miles.engines.embedded.weights.WeightUpdater`'s targets, so every w
 (broadcast, hand-off files) and the weight checker handle them like any tensor. Each adapter keeps
 the weight version of the last update that wrote its tensors.
 
-Not here: DoRA, bias training, ``modules_to_save``, embedding adapters (refused at load), and the
-paged KV path (it refuses adapters; see ``engine.py``).
+This class serves the DynamicCache path (one hook per adapter and module, rows picked with
+``index_add``). The paged path serves adapters from preallocated slots instead, one masked pair of
+GEMMs per module for every adapter of a step, with static shapes for its CUDA graphs:
+:class:`miles.engines.embedded.paged.lora.PagedLoraServing`, a subclass that keeps the loading,
+checks, names and versions here.
+
+Not here: DoRA, bias training, ``modules_to_save``, embedding adapters (refused at load).
 """
 
 from __future__ import annotations
@@ -105,6 +110,14 @@ class LoraServing:
     # ---------------------------------------------------------------- loading
 
     def load(self, name: str, path: str) -> Adapter:
+        """Read the peft directory ``path`` and serve it as ``name`` (replacing an adapter of that name)."""
+        adapter = self.read(name, path)
+        with self.updater.lock, self.step_lock:
+            self._install(adapter)
+        return adapter
+
+    def read(self, name: str, path: str) -> Adapter:
+        """The adapter of the peft directory ``path``, checked against the model; nothing is served yet."""
         if not name or any(c in name for c in "/ \t\n"):
             raise LoraError(f"lora_name {name!r} is not a valid adapter name")
         config, raw = read_peft_dir(path)
@@ -141,16 +154,18 @@ class LoraServing:
             )
         if not adapter.factors:
             raise LoraError(f"adapter {path!r} holds no lora_A / lora_B tensors")
-        with self.updater.lock, self.step_lock:
-            old = self.adapters.get(name)
-            if old is not None:
-                self.updater.remove_tensors(list(old.tensors()))
-            self.adapters[name] = adapter
-            self.updater.add_tensors(adapter.tensors())
-            for module in adapter.factors:
-                if module not in self._hooks:
-                    self._hooks[module] = self.linears[module].register_forward_hook(self._hook(module))
         return adapter
+
+    def _install(self, adapter: Adapter) -> None:
+        """Serve ``adapter`` (the caller holds the updater's lock and the step lock)."""
+        old = self.adapters.get(adapter.name)
+        if old is not None:
+            self.updater.remove_tensors(list(old.tensors()))
+        self.adapters[adapter.name] = adapter
+        self.updater.add_tensors(adapter.tensors())
+        for module in adapter.factors:
+            if module not in self._hooks:
+                self._hooks[module] = self.linears[module].register_forward_hook(self._hook(module))
 
     def unload(self, name: str) -> None:
         with self.updater.lock, self.step_lock:
@@ -190,6 +205,10 @@ class LoraServing:
             }
             for a in self.adapters.values()
         ]
+
+    def slots_info(self) -> dict[str, Any] | None:
+        """The paged path's adapter slots (None here: this path has no slots and no limit)."""
+        return None
 
     # ---------------------------------------------------------------- serving
 

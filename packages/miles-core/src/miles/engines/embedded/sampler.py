@@ -305,7 +305,7 @@ class Runner:
         self.model = model
         self.device = device
         self.max_context = max_context
-        self.lora: LoraServing | None = None  # set by the engine (not on the paged path)
+        self.lora: LoraServing | None = None  # set by the engine
         self.recorder = recorder if recorder is not None and recorder.is_moe else None
         head = model.get_output_embeddings()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

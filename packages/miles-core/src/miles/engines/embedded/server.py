@@ -715,6 +715,16 @@ def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentPar
         action="store_true",
         help="paged: read each decode step before launching the next (no host/device overlap)",
     )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        help="paged: LoRA adapters loaded at once (preallocated slots; a step with adapters costs two GEMMs of "
+        "width max-loras x max-lora-rank per adapted linear)",
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=64, help="paged: the largest LoRA rank an adapter slot holds"
+    )
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for receiver in receivers.loaded.values() if receivers is not None else ():
@@ -810,6 +820,8 @@ def main(argv: list[str] | None = None) -> None:
         block_size=args.block_size,
         cuda_graphs=not args.no_cuda_graphs,
         overlap=not args.no_overlap,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )
     t0 = time.monotonic()
     try:

@@ -12,6 +12,13 @@ token 0 at position 0 into the scratch slot, with table row 0 (scratch), and the
 outputs are ignored. Batches with top-k/top-p rows use the graph's logits and sample
 eagerly afterwards.
 
+LoRA (``paged/lora.py``): while adapters are loaded the graphs are captured with the
+adapter hooks on, each row's slot read from the runner's ``lora_rows`` table by its table
+row inside the graph (padded rows: row 0, slot 0, no adapter). Adapter factors live in
+preallocated stacks updated in place, so loading an adapter into a free slot or updating
+its weights needs no recapture; the runner captures again only when stacks are allocated
+or freed (``PagedRunner.lora_layout_changed``).
+
 Graphs hold the pool's addresses: releasing the pool drops them, and the next
 decode after a resume captures them again. Weight updates copy into the parameters
 in place, so they need no recapture.
@@ -23,6 +30,7 @@ points at its first rows, copied to the host only when a request asked for its r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -71,7 +79,11 @@ class DecodeGraphs:
         ids = torch.where(source >= 0, r.last_tokens[source.clamp(min=0)], given)
         meta = PagedMeta(r.block_tables, rows.to(torch.int32), (pos + 1).to(torch.int32))
         routed = self.routed[:, :bs] if self.routed is not None else None
-        logits = r.model.forward(StepInputs(ids, pos, slots, None, meta, routed))
+        lora: Any = contextlib.nullcontext()
+        if r.lora is not None and r.lora.stacks:
+            lora = r.lora.tokens(r.lora_rows[rows])
+        with lora:
+            logits = r.model.forward(StepInputs(ids, pos, slots, None, meta, routed))
         tokens, logprobs = sample_plain(logits, r.temps[rows], row_keys(r.seeds[rows], pos + 1))
         return logits, tokens, logprobs
 

@@ -15,6 +15,12 @@ Why whole blocks
     by its own block's token ids under the node of the blocks before it: a path from
     the root spells a token prefix, one block per edge.
 
+Adapters
+    KV computed under a LoRA adapter is not the base's (nor another adapter's): each adapter
+    has a tree of its own (``namespace``, the adapter's name; None is the base), so a lookup
+    only ever finds blocks written under the same adapter. :meth:`RadixCache.flush_namespace`
+    drops one adapter's tree (its factors were replaced or unloaded).
+
 References
     The tree holds exactly one allocator reference on every block it contains. A
     block the tree already holds for the same tokens is not taken again when another
@@ -75,7 +81,8 @@ class RadixCache:
         self.generation = 0
         self.evictions = 0  # blocks dropped by the size bound or for the pool
         self.flushes = 0
-        self._root = _Node((), -1, None)
+        # One root per namespace (None: the base; else a LoRA adapter's name). Roots have block -1.
+        self._roots: dict[str | None, _Node] = {}
         self._nodes: dict[int, _Node] = {}  # block id -> its node
         self._clock = 0
         # (last_used, tie-breaker, node) of leaves; entries go stale when a node is used again,
@@ -99,13 +106,15 @@ class RadixCache:
     def __contains__(self, block: int) -> bool:
         return block in self._nodes
 
-    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def match(self, tokens: Sequence[int], limit: int, namespace: str | None = None) -> list[int]:
         """The blocks holding the longest cached prefix of ``tokens`` that fits in ``tokens[:limit]``,
-        in order (whole blocks only). The caller takes its own references (``allocator.share``);
-        the matched nodes count as used for eviction."""
+        in order (whole blocks only), among those cached under ``namespace``. The caller takes its
+        own references (``allocator.share``); the matched nodes count as used for eviction."""
         bs = self.block_size
         limit = min(limit, len(tokens))
-        node = self._root
+        node = self._roots.get(namespace)
+        if node is None:
+            return []
         blocks: list[int] = []
         for start in range(0, limit - bs + 1, bs):
             child = node.children.get(tuple(tokens[start : start + bs]))
@@ -119,16 +128,18 @@ class RadixCache:
 
     # ------------------------------------------------------------- changes
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], namespace: str | None = None) -> int:
         """Keep ``blocks[i]`` as the KV of ``tokens[i * block_size : (i + 1) * block_size]`` after the
-        blocks before it; returns how many blocks the tree took a reference on.
+        blocks before it, under ``namespace``; returns how many blocks the tree took a reference on.
 
         The caller holds a reference on every block in ``blocks`` and keeps it (it releases its own
         afterwards). Blocks beyond the size bound are left out; least recently used leaves are then
         dropped down to the bound."""
         bs = self.block_size
         n = min(len(blocks), len(tokens) // bs, self.max_blocks)
-        node = self._root
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = _Node((), -1, None)
         added = 0
         for i in range(n):
             key = tuple(tokens[i * bs : (i + 1) * bs])
@@ -165,13 +176,31 @@ class RadixCache:
         for node in self._nodes.values():
             node.parent = None
             node.children = {}
-        self._root.children = {}
+        self._roots.clear()
         self._nodes.clear()
         self._heap.clear()
         self.allocator.release(blocks)
         self.generation += 1
         self.flushes += 1
         return dropped
+
+    def flush_namespace(self, namespace: str | None) -> int:
+        """Drop every block cached under ``namespace`` (requests holding some keep them) and advance
+        :attr:`generation`; returns how many blocks it held."""
+        root = self._roots.pop(namespace, None)
+        blocks: list[int] = []
+        stack = list(root.children.values()) if root is not None else []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            del self._nodes[node.block]
+            node.parent = None  # its heap entries go stale
+            node.children = {}
+            blocks.append(node.block)
+        self.allocator.release(blocks)
+        self.generation += 1
+        self.flushes += 1
+        return len(blocks)
 
     def describe(self) -> dict[str, Any]:
         """Size and counters, for ``/get_server_info``."""
@@ -180,6 +209,7 @@ class RadixCache:
             "max_tokens": self.max_blocks * self.block_size,
             "block_size": self.block_size,
             "entries": len(self._nodes),  # one entry per cached block
+            "adapter_trees": sum(1 for ns in self._roots if ns is not None),  # LoRA adapters with KV cached
             "tokens": self.num_tokens,
             "evictions": self.evictions,
             "flushes": self.flushes,
@@ -188,7 +218,7 @@ class RadixCache:
     def check(self) -> None:
         """Raise if the tree is inconsistent with itself or with the allocator."""
         seen = 0
-        stack = [self._root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             for key, child in node.children.items():
@@ -198,7 +228,7 @@ class RadixCache:
                     raise AssertionError(f"block {child.block}: not indexed")
                 if self.allocator.refcount(child.block) < 1:
                     raise AssertionError(f"block {child.block} is cached but not allocated")
-                if child.last_used > node.last_used and node is not self._root:
+                if child.last_used > node.last_used and node.block >= 0:
                     raise AssertionError(f"block {child.block} is more recent than its parent")
                 seen += 1
                 stack.append(child)
@@ -213,7 +243,7 @@ class RadixCache:
         """Mark ``node`` and its ancestors used now."""
         self._clock += 1
         walk: _Node | None = node
-        while walk is not None and walk is not self._root:
+        while walk is not None and walk.block >= 0:  # up to its namespace's root
             walk.last_used = self._clock
             walk = walk.parent
         if not node.children:
@@ -241,7 +271,7 @@ class RadixCache:
             node.parent = None
             self.allocator.release([node.block])
             removed += 1
-            if parent is not self._root and not parent.children:
+            if parent.block >= 0 and not parent.children:  # (a root is never evicted)
                 heapq.heappush(heap, (parent.last_used, next(self._order), parent))
         for entry in skipped:
             heapq.heappush(heap, entry)

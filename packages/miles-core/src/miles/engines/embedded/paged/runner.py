@@ -1,10 +1,11 @@
 """The paged runner: pool, allocator, per-request device state, prefill chunks and decode steps.
 
 Each running request holds one row of the device-side request tables (its block
-table row, temperature, top-p, top-k, seed); row 0 is scratch, used by the padded
-rows of a CUDA graph. A decode step uploads one small int64 tensor (token, position,
-slot, table row and source of each query) and reads back one (sampled ids and
-log-probs): nothing else crosses between host and device per step.
+table row, temperature, top-p, top-k, seed, LoRA adapter slot); row 0 is scratch, used
+by the padded rows of a CUDA graph (slot 0: no adapter). A decode step uploads one
+small int64 tensor (token, position, slot, table row and source of each query) and
+reads back one (sampled ids and log-probs): nothing else crosses between host and
+device per step.
 
 Decode steps are *launched* and *read* separately (``launch_decode`` returns a
 ``PendingDecode``): the host can launch step N+1 before it reads step N, feeding each
@@ -15,9 +16,10 @@ read-back goes to pinned host memory behind a CUDA event, so only the read waits
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +28,9 @@ from miles.engines.embedded.paged.graphs import DecodeGraphs
 from miles.engines.embedded.paged.model import GatherMeta, PagedMeta, PagedModel, StepInputs, gather_meta
 from miles.engines.embedded.paged.pool import KVPool, PoolShape, plan_blocks
 from miles.engines.embedded.paged.sampling import SamplingTensors, sample
+
+if TYPE_CHECKING:
+    from miles.engines.embedded.paged.lora import PagedLoraServing
 
 log = logging.getLogger("miles.engines.embedded")
 
@@ -51,6 +56,7 @@ class SeqState:
     row: int = -1  # device table row; -1 when not running
     filtered: bool = False  # top-k or top-p: sampled after the graph, by the sorting path
     routed: bool = False  # the request asked for the experts its tokens are routed to (MoE)
+    lora_slot: int = 0  # its LoRA adapter's slot (0: the base), set by the scheduler before attach
 
 
 # The routed experts of tokens a state fed in one step: (state, position of the first token,
@@ -153,6 +159,9 @@ class PagedRunner:
         self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
         self.top_k = torch.full((rows,), self.vocab_size, dtype=torch.int64, device=device)
         self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+        # The LoRA adapter slot of each table row (0: none); read inside the decode graphs.
+        self.lora_rows = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.lora: PagedLoraServing | None = None  # set by the engine
         self._free_rows = list(range(rows - 1, 0, -1))
         # The tokens the last decode step sampled, in its query order: the next step's inputs when
         # the host launches it before reading this one.
@@ -196,6 +205,7 @@ class PagedRunner:
         self.top_p[state.row] = values[1]
         self.top_k[state.row] = k
         self.seeds[state.row] = state.seed
+        self.lora_rows[state.row] = state.lora_slot
         for j, b in enumerate(state.blocks):
             self._writes.append((state.row, j, b))
 
@@ -273,7 +283,12 @@ class PagedRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             attn=meta,
         )
-        logits = self.model.forward(step) if logit_rows or ids else None
+        scope: Any = contextlib.nullcontext()
+        if self.lora is not None and any(st.lora_slot for st, _, _ in chunks):
+            token_slots = [st.lora_slot for st, tokens, _ in chunks for _ in tokens]
+            scope = self.lora.tokens(torch.tensor(token_slots, dtype=torch.long, device=dev), step.logit_rows)
+        with scope:
+            logits = self.model.forward(step) if logit_rows or ids else None
         routed = self._copy_prefill_routing(chunks)
         for state, tokens, _ in chunks:
             state.kv_len += len(tokens)
@@ -378,7 +393,11 @@ class PagedRunner:
                     self.options.block_size,
                     "cpu",
                 )
-            logits = self.model.forward(StepInputs(ids, pos, slot_t, None, meta))
+            scope: Any = contextlib.nullcontext()
+            if self.lora is not None and any(s.lora_slot for s in states):
+                scope = self.lora.tokens(self.lora_rows[rows])
+            with scope:
+                logits = self.model.forward(StepInputs(ids, pos, slot_t, None, meta))
             out_tokens, logprobs = self._sample_device(logits, rows, pos + 1, filtered=filtered)
         self.last_tokens[:n].copy_(out_tokens)
         routed = self._copy_decode_routing(states, positions)
@@ -389,6 +408,18 @@ class PagedRunner:
         pending = PendingDecode(out_tokens, logprobs, staging)
         pending.routed = routed
         return pending
+
+    def lora_layout_changed(self) -> None:
+        """LoRA stacks were allocated or freed (under the step lock): the decode graphs, which hold
+        their addresses and whether the hooks run at all, are captured again (now, so no request
+        waits for it; after a memory release, at the first decode)."""
+        if self.graphs is None:
+            return
+        self.graphs.drop()
+        if self.pool.allocated:
+            log.info("LoRA adapter modules changed: capturing the decode graphs again")
+            with torch.inference_mode():
+                self.graphs.capture()
 
     # ---------------------------------------------------------------- memory
 

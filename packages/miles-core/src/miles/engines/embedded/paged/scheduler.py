@@ -31,6 +31,12 @@ least recently used cached blocks nobody else holds are evicted before any runni
 request is retracted. Weight changes and ``/flush_cache`` flush the tree; so does a
 memory release, before the pool goes.
 
+LoRA (``paged/lora.py``): a request with ``lora`` gets its adapter's slot when it is admitted
+(one that names an adapter unloaded since it was accepted is answered with an abort naming
+it); the runner applies the slot to its tokens. Its KV is cached and looked up in its
+adapter's own tree of the prefix cache (the namespace is the adapter's name), so base and
+adapter rows never share blocks; replacing or unloading an adapter drops its tree.
+
 Not on this path (see ``docs/engine.md``): requests that want
 input log-probs *and* new tokens, or top-k / requested-id log-probs of sampled
 tokens (refused with a message naming ``--kv-cache dynamic``). Pure scoring
@@ -159,6 +165,17 @@ class PagedScheduler(Scheduler):
 
     def prefix_cache_info(self) -> dict[str, Any] | None:
         return self.radix.describe() if self.radix is not None else None
+
+    def flush_adapter_cache(self, name: str) -> int:
+        """Drop the blocks cached under LoRA adapter ``name`` (its factors were replaced or it was
+        unloaded); returns how many. The caller holds ``step_lock``."""
+        return self.radix.flush_namespace(name) if self.radix is not None else 0
+
+    def adapter_requests(self, name: str) -> int:
+        """Requests running or queued with LoRA adapter ``name``. The caller holds ``step_lock``."""
+        with self._lock:
+            queued = sum(1 for r in self._waiting if r.lora == name)
+        return queued + sum(1 for r in self._running.rows if r.lora == name)
 
     # ------------------------------------------------------------- the loop
 
@@ -377,19 +394,15 @@ class PagedScheduler(Scheduler):
                     break
                 state = self._state(row)
                 need = row.num_fed + 1
-                too_long = need > capacity
-                if not too_long and not self._take_blocks(row, state, need):
+                refusal = self._refusal(row, state, need, capacity)
+                if refusal is None and not self._take_blocks(row, state, need):
                     break  # wait for blocks
                 self._waiting.popleft()
-                if not too_long:
+                if refusal is None:
                     self._running.rows.append(row)
                     self._num_running = len(self._running)
-            if too_long:
-                row.finish = {
-                    "type": "abort",
-                    "message": f"the request needs {need} KV slots; the pool holds {capacity} "
-                    "(raise --mem-fraction or --kv-tokens)",
-                }
+            if refusal is not None:
+                row.finish = {"type": "abort", "message": refusal}
                 self._done(row)
                 continue
             self.paged.attach(state, row.temperature, row.top_p, row.top_k)
@@ -397,19 +410,32 @@ class PagedScheduler(Scheduler):
             add(row, state)
         return scoring
 
+    def _refusal(self, row: GenRequest, state: SeqState, need: int, capacity: int) -> str | None:
+        """Why a queued request cannot run at all (None: it can); also gives it its adapter slot."""
+        if need > capacity:
+            return f"the request needs {need} KV slots; the pool holds {capacity} (raise --mem-fraction or --kv-tokens)"
+        if row.lora is not None:
+            lora = self.paged.lora
+            slot = lora.slot(row.lora) if lora is not None else None
+            if slot is None:
+                return f"LoRA adapter {row.lora!r} is not loaded (it was unloaded after the request came)"
+            state.lora_slot = slot
+        return None
+
     def _take_blocks(self, row: GenRequest, state: SeqState, need: int) -> bool:
         """Blocks for ``need`` token slots of an admitted ``row``: its cached prefix shared from the
         tree, the rest allocated (evicting cached blocks if the free list is short). False, with
         nothing held, when the pool cannot give them now."""
         radix = self.radix
         looked_up = False
-        if radix is not None and row.lora is None and not row.return_routed_experts:
+        if radix is not None and not row.return_routed_experts:
             # Routed rows would need the routing of the cached positions, which the tree does not keep.
+            # An adapter's rows look in that adapter's tree only (its KV is not the base's).
             tokens = row.sequence
             limit = len(tokens) - 1  # at least the last token is fed: its logits give the next token
             if row.pending_input_positions > 0 and row.logprob_start is not None:
                 limit = min(limit, row.logprob_start)  # scored positions need their logits
-            blocks = radix.match(tokens, limit)
+            blocks = radix.match(tokens, limit, row.lora)
             if blocks:
                 self.paged.allocator.share(blocks)  # before any eviction below, which then skips them
                 state.blocks = blocks
@@ -446,7 +472,7 @@ class PagedScheduler(Scheduler):
     def _cache_blocks(self, row: GenRequest, state: SeqState) -> None:
         """Give the tree ``row``'s complete blocks (before the row lets go of them)."""
         radix = self.radix
-        if radix is None or row.error is not None or row.lora is not None:
+        if radix is None or row.error is not None:
             return  # a failed step may have left the KV half written
         if row.kv_generation != radix.generation:
             return  # started before a flush: part of its KV may come from weights that are gone
@@ -454,7 +480,7 @@ class PagedScheduler(Scheduler):
         if not full:
             return
         try:
-            radix.insert(row.sequence[: full * radix.block_size], state.blocks[:full])
+            radix.insert(row.sequence[: full * radix.block_size], state.blocks[:full], row.lora)
         except Exception:  # a cache that cannot take these blocks must not fail the request
             log.exception("request %s: its KV blocks were not cached", row.rid)
 
