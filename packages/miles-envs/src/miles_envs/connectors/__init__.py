@@ -7,7 +7,10 @@
 - ``strands`` (``miles.agents``): a Strands Agents ``Agent`` whose model is the session server.
 - ``nemo_gym`` (``miles.data_sources`` and ``miles.agents``): NeMo Gym datasets, and an agent that
   plays a NeMo Gym resources server over HTTP (its tools and ``/verify``) through the session server.
+- ``harbor_tasks`` / ``harbor`` (``miles.data_sources`` / ``miles.agents``): Harbor task directories,
+  each episode a ``harbor trial start`` whose agent (``harbor_bridge/``) calls the session server.
 
 Each imports its library only when used (``pip install 'miles-envs[verifiers]'`` / ``[openenv]`` /
-``[strands]``); ``nemo_gym`` imports none: NeMo Gym's servers run in their own environment.
+``[strands]``); ``nemo_gym`` and ``harbor`` import none: NeMo Gym and Harbor need Python 3.12+ and
+run in environments of their own (servers over HTTP, a command line).
 """
