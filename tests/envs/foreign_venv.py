@@ -38,9 +38,13 @@ def _version(python: str) -> tuple[int, int] | None:
 
 
 def find_python(minimum: tuple[int, int]) -> str | None:
-    """A Python interpreter at least ``minimum``: $MILES_TEST_PYTHON, PATH, uv's, then pyenv's versions."""
-    candidates = [os.environ.get("MILES_TEST_PYTHON", "")]
-    candidates += [shutil.which(f"python3.{m}") or "" for m in range(minimum[1], 16)]
+    """The oldest Python interpreter at least ``minimum`` (the requirements files are pinned for it).
+
+    Looked for in $MILES_TEST_PYTHON (used alone when set), on PATH, by uv, and among pyenv's versions.
+    """
+    if os.environ.get("MILES_TEST_PYTHON"):
+        return os.environ["MILES_TEST_PYTHON"]
+    candidates = [shutil.which(f"python3.{m}") or "" for m in range(minimum[1], 16)]
     uv = shutil.which("uv")
     if uv is not None:
         found = subprocess.run(
@@ -50,13 +54,13 @@ def find_python(minimum: tuple[int, int]) -> str | None:
         )
         candidates.append(found.stdout.strip() if found.returncode == 0 else "")
     pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    candidates += sorted(glob.glob(f"{pyenv_root}/versions/3.*/bin/python3"), reverse=True)
-    for python in candidates:
-        if python:
-            version = _version(python)
-            if version is not None and version >= minimum:
-                return python
-    return None
+    candidates += glob.glob(f"{pyenv_root}/versions/3.*/bin/python3")
+    found = []
+    for python in dict.fromkeys(c for c in candidates if c):
+        version = _version(python)
+        if version is not None and version >= minimum:
+            found.append((version, python))
+    return min(found)[1] if found else None
 
 
 def venv_python(name: str, requirements: Path, minimum: tuple[int, int]) -> Path:
