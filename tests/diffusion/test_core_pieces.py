@@ -34,6 +34,22 @@ def test_each_trajectory_draws_its_noise_from_its_own_seed(model) -> None:
         sample_seeded(model, torch.tensor([0, 1]), [5], SAMPLER)
 
 
+def test_prompt_encodings_computed_ahead_give_the_lookup_s_output_bit_for_bit(model) -> None:
+    prompts = torch.tensor([3, 0, 3])
+    encoded = model.encode_prompts(prompts)
+    assert encoded.shape == (3, model.encoding_dim) and encoded.is_floating_point()
+    x, t = torch.randn(3, 3, 16, 16), torch.tensor([0.9, 0.5, 0.1])
+    with torch.no_grad():
+        assert torch.equal(model(x, t, encoded), model(x, t, prompts))
+    by_ids = sample_seeded(model, prompts, [1, 2, 3], SAMPLER)
+    ahead = sample_seeded(model, prompts, [1, 2, 3], SAMPLER, encoded=encoded)
+    assert torch.equal(by_ids.latents, ahead.latents) and torch.equal(by_ids.log_probs, ahead.log_probs)
+    with pytest.raises(ValueError, match="prompt encodings of shape"):
+        model(x, t, encoded[:, :5])
+    with pytest.raises(ValueError, match="integer prompt ids"):
+        model.encode_prompts(encoded)
+
+
 def test_the_wire_format_round_trips_exactly_and_refuses_other_bytes(model) -> None:
     trajectory = sample_seeded(model, torch.tensor([3, 0]), [1, 2**62], SAMPLER)
     data = pack(TrajectoryBatch(trajectory, [1, 2**62], SAMPLER, weight_version=7))

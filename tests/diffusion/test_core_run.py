@@ -91,3 +91,24 @@ def test_the_diffusion_nft_recipe_runs_through_the_core_loop(tmp_path: Path) -> 
     rows = _rows(Path(result.run_dir))
     assert [r["engine/weight_version"] for r in rows] == [1, 2]
     assert all(0.0 <= r["train/optimality/mean"] <= 1.0 and r["train/positive_loss"] > 0 for r in rows)
+
+
+def test_miles_run_with_the_pipelined_rollout(tmp_path: Path) -> None:
+    """Microgroups of 2 streamed and scored as they arrive, through the whole core loop."""
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        "run.num_steps=3",
+        "run.save_every=null",
+        "run.export_hf=false",
+        "tracking.console=false",
+        "engine.options.torch_threads=1",
+        "diffusion.torch_threads=1",
+        "rollout.options.pipeline=true",
+        "rollout.options.microgroup_size=2",
+        "rollout.options.decode_workers=1",
+    ]
+    _miles("run", "tiny_flow_grpo", *(a for o in overrides for a in ("--set", o)))
+    rows = _rows(tmp_path / "tiny_flow_grpo")
+    assert [r["engine/weight_version"] for r in rows] == [1, 2, 3]
+    assert all(r["train/trajectories"] == 16 and r["rollout/groups_kept"] == 4 for r in rows)
+    assert all(0.0 < r["rollout/reward_mean"] < 1.0 for r in rows)

@@ -137,6 +137,11 @@ def test_a_full_weight_update_lands_and_the_version_moves(engine) -> None:
             {"prompts": list(range(4)) * 3, "seeds": list(range(12)), "num_steps": 4, "noise_level": 0.7},
             "at most 8",
         ),
+        (
+            "/generate_trajectories",
+            {"prompts": [0], "seeds": [1], "num_steps": 4, "noise_level": 0.7, "microgroup_size": 0},
+            "microgroup_size",
+        ),
         ("/generate", {"input_ids": [1, 2, 3]}, "takes token ids"),
         (
             "/update_weights_from_tensor",

@@ -30,6 +30,9 @@ class ImageGroupReward:
     """Scores the images of a group's samples (their trajectory payloads) with one image reward."""
 
     group_reward = True
+    # An ImageReward maps each image to its own value, so any subset of a group may be scored on its
+    # own: the pipelined rollout scores each microgroup as it arrives instead of waiting for the group.
+    scores_independently = True
 
     def __init__(self, reward: ImageReward, name: str) -> None:
         self.reward = reward

@@ -35,6 +35,22 @@ class TinyFlowModelConfig:
     norm_num_groups: int = 8
 
 
+class PromptTable(nn.Embedding):
+    """The UNet's class-embedding table, with a seam for encodings computed ahead.
+
+    A prompt id is looked up as usual; a float input is taken as rows already looked up
+    (:meth:`FlowModel.encode_prompts`) and passed through. So an engine encodes a request's prompts
+    once and reuses the result at every denoising step of every microgroup, as a text-to-image
+    engine reuses its text encoder's hidden states, and the values are the lookup's, bit for bit.
+    Parameter names and values are nn.Embedding's: checkpoints and standards are unchanged.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.is_floating_point():
+            return input
+        return super().forward(input)
+
+
 class FlowModel(nn.Module):
     """Velocity predictor ``v(x_t, t, prompt)`` over a diffusers UNet with a prompt-embedding table."""
 
@@ -58,14 +74,45 @@ class FlowModel(nn.Module):
                 num_class_embeds=config.num_prompts,
             ),
         )
+        table = self.unet.class_embedding
+        assert isinstance(table, nn.Embedding)
+        # The same Parameter (no new initialisation: the model's random weights stay what they were).
+        self.unet.class_embedding = PromptTable(
+            table.num_embeddings, table.embedding_dim, _weight=table.weight
+        )
         self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
         """Modules computed in FP32 while the rest runs at ``precision.compute_dtype``."""
 
+    @property
+    def encoding_dim(self) -> int:
+        """Width of one prompt encoding (:meth:`encode_prompts`)."""
+        table = self.unet.class_embedding
+        assert isinstance(table, nn.Embedding)
+        return int(table.embedding_dim)
+
+    def encode_prompts(self, prompts: torch.Tensor) -> torch.Tensor:
+        """The conditioning the denoiser reads for ``prompts`` ([B] int ids): [B, encoding_dim].
+
+        This model's "text encoder" is its prompt-embedding table; the engine calls this once per
+        request and hands the rows to :meth:`forward` in place of the ids at every step."""
+        if prompts.is_floating_point() or prompts.ndim != 1:
+            raise ValueError(
+                f"encode_prompts takes [B] integer prompt ids, got {prompts.dtype} {tuple(prompts.shape)}"
+            )
+        table = self.unet.class_embedding
+        assert isinstance(table, PromptTable)
+        return nn.Embedding.forward(table, prompts)
+
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
-        """``x_t``: [B, C, H, W]; ``t``: [B] in [0, 1]; ``prompts``: [B] int ids. Returns v, [B, C, H, W].
+        """``x_t``: [B, C, H, W]; ``t``: [B] in [0, 1]; ``prompts``: [B] int ids, or their encodings
+        [B, encoding_dim] from :meth:`encode_prompts`. Returns v, [B, C, H, W].
 
         Under a BF16/FP16 ``precision`` the UNet runs under autocast (FP32 parameters, the named FP32
         modules outside it) and v comes back as FP32."""
+        if prompts.is_floating_point() and tuple(prompts.shape) != (x_t.shape[0], self.encoding_dim):
+            raise ValueError(
+                f"prompt encodings of shape {tuple(prompts.shape)}; expected ({x_t.shape[0]}, {self.encoding_dim})"
+            )
         if self.precision.dtype is torch.float32:
             out = self.unet(x_t, t * TIMESTEP_SCALE, class_labels=prompts, return_dict=False)[0]
         else:

@@ -7,6 +7,15 @@ then the run's reward scores the group (the image rewards of ``miles_diffusion.g
 group rewards: one batched call), the reward post-processors run, and the core's buffer, advantage
 stage and backend take it from there.
 
+**Pipelined** (``rollout.options.pipeline: true``): the engine samples the group in microgroups of
+``microgroup_size`` (its prompt encoded once for all of them) and streams each back as soon as it
+is drawn; a decode worker process unpacks it and the reward scores it at once, while the engine
+samples the next. A reward that scores each image on its own (``scores_independently``, as the
+image rewards do) is called per microgroup; any other group reward once the group's last
+microgroup is in. The group is complete, and reaches the buffer and the advantage stage, after its
+last microgroup is scored. Pipelining changes no number: the same ``microgroup_size`` with
+``pipeline: false`` gives the same trajectories, log-probabilities and rewards bit for bit.
+
 Seeds are derived from ``(rollout.options.seed, step, prompt index, attempt, sample)``, so a run
 repeats exactly and a resumed run draws what the uninterrupted one would have drawn.
 """
@@ -14,6 +23,7 @@ repeats exactly and a resumed run draws what the uninterrupted one would have dr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import re
@@ -30,8 +40,10 @@ from miles.errors import DataError
 from miles.interfaces import RolloutContext
 from miles.tracking.timing import add_busy
 from miles.types import Group, Prompt, Sample, Status
+from miles_diffusion.decode import decode_pool
 from miles_diffusion.payload import split
 from miles_diffusion.sampler import SamplerConfig
+from miles_diffusion.wire import TrajectoryBatch
 
 
 class DiffusionRolloutOptions(ComponentOptions):
@@ -42,6 +54,20 @@ class DiffusionRolloutOptions(ComponentOptions):
         0.7, gt=0.0, description="the SDE's noise scale (sigma_t = a sqrt(t / (1 - t)))"
     )
     seed: int = Field(0, ge=0, description="base of every trajectory's noise seed")
+    microgroup_size: int | None = Field(
+        None,
+        ge=1,
+        description="trajectories the engine samples together; a group is sampled in microgroups of this "
+        "size, its prompt encoded once (default: the whole group at once)",
+    )
+    pipeline: bool = Field(
+        False,
+        description="stream each microgroup back as soon as it is sampled, unpack it in a decode worker "
+        "process and score it while the engine samples the next",
+    )
+    decode_workers: int = Field(
+        2, ge=1, le=64, description="decode worker processes of the pipelined rollout (one pool per process)"
+    )
 
     @property
     def sampler(self) -> SamplerConfig:
@@ -88,43 +114,57 @@ class DiffusionRollout:
             seeds = [trajectory_seed(options.seed, ctx.step, prompt.index, attempt, i) for i in range(n)]
             group = Group(prompt=prompt, samples=[Sample(prompt=prompt, group_index=i) for i in range(n)])
             groups.append(group)
-            jobs.append(self._run_group(ctx, group, pid, seeds, options.sampler))
+            jobs.append(self._run_group(ctx, group, pid, seeds, options))
         self._attempts = {k: v for k, v in self._attempts.items() if k[0] >= ctx.step}
         await asyncio.gather(*jobs)
         return groups
 
     async def _run_group(
-        self, ctx: RolloutContext, group: Group, pid: int, seeds: list[int], sampler: SamplerConfig
+        self, ctx: RolloutContext, group: Group, pid: int, seeds: list[int], options: DiffusionRolloutOptions
     ) -> None:
         served_at_start = ctx.served_version
+        # Per microgroup only when the reward scores each image alone: a group-relative reward needs them all.
+        per_microgroup = options.pipeline and bool(getattr(ctx.reward, "scores_independently", False))
         try:
             async with ctx.router.request(None, sticky=False) as route:
-                generate = getattr(route.engine, "generate_trajectories", None)
-                if generate is None:
-                    raise TypeError(
-                        f"engine {route.engine.url} cannot generate trajectories; the diffusion rollout needs "
-                        "engine.launcher: diffusion"
+                engine = route.engine
+                if options.pipeline:
+                    stream = getattr(engine, "stream_microgroups", None)
+                    if stream is None:
+                        raise TypeError(_not_diffusion(engine))
+                    microgroups = stream(
+                        [pid] * len(seeds),
+                        seeds,
+                        options.sampler,
+                        options.microgroup_size,
+                        decode_pool(options.decode_workers),
                     )
-                batch = await generate([pid] * len(seeds), seeds, sampler)
+                    async with contextlib.aclosing(microgroups):
+                        async for microgroup in microgroups:
+                            samples = group.samples[
+                                microgroup.offset : microgroup.offset + len(microgroup.batch.seeds)
+                            ]
+                            _attach(samples, microgroup.batch, served_at_start, pid)
+                            if per_microgroup:
+                                await _reward(ctx, samples)
+                else:
+                    generate = getattr(engine, "generate_trajectories", None)
+                    if generate is None:
+                        raise TypeError(_not_diffusion(engine))
+                    batch = await generate(
+                        [pid] * len(seeds), seeds, options.sampler, microgroup_size=options.microgroup_size
+                    )
+                    _attach(group.samples, batch, served_at_start, pid)
         except EngineUnavailable as exc:  # not the group's fault: aborted, so the buffer retries it
             for sample in group.samples:
                 sample.status = Status.ABORTED
                 sample.finish_reason = "abort"
+                sample.reward = None
+                sample.payload = None
                 sample.metadata["engine_error"] = str(exc)
             return
-        version = (
-            batch.weight_version if served_at_start is None else min(batch.weight_version, served_at_start)
-        )
-        for sample, payload in zip(
-            group.samples, split(batch.trajectory, batch.seeds, batch.sampler, version), strict=True
-        ):
-            sample.payload = payload
-            sample.status = Status.COMPLETED
-            sample.finish_reason = "stop"
-            c, h, w = payload.latents.shape[1:]
-            sample.response_text = f"<image {c}x{h}x{w}, prompt id {pid}, seed {payload.seed}>"
-            sample.metadata.update(seed=payload.seed, weight_version=version)
-        await _reward(ctx, group.samples)
+        if not per_microgroup:
+            await _reward(ctx, group.samples)
         for sample in group.samples:
             if sample.reward is not None and sample.status is Status.COMPLETED:
                 try:
@@ -134,6 +174,24 @@ class DiffusionRollout:
                     _fail([sample], "reward_postprocess_error", exc)
             if ctx.on_sample_done is not None:
                 ctx.on_sample_done(sample)
+
+
+def _not_diffusion(engine: Any) -> str:
+    return f"engine {engine.url} cannot generate trajectories; the diffusion rollout needs engine.launcher: diffusion"
+
+
+def _attach(samples: list[Sample], batch: TrajectoryBatch, served_at_start: int | None, pid: int) -> None:
+    """Give ``samples`` the batch's trajectories, in order, as finished samples."""
+    version = batch.weight_version if served_at_start is None else min(batch.weight_version, served_at_start)
+    for sample, payload in zip(
+        samples, split(batch.trajectory, batch.seeds, batch.sampler, version), strict=True
+    ):
+        sample.payload = payload
+        sample.status = Status.COMPLETED
+        sample.finish_reason = "stop"
+        c, h, w = payload.latents.shape[1:]
+        sample.response_text = f"<image {c}x{h}x{w}, prompt id {pid}, seed {payload.seed}>"
+        sample.metadata.update(seed=payload.seed, weight_version=version)
 
 
 async def _reward(ctx: RolloutContext, samples: list[Sample]) -> None:

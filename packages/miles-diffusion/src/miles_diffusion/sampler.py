@@ -20,10 +20,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from miles_diffusion.model import FlowModel
+if (
+    TYPE_CHECKING
+):  # only for annotations: the wire format's decode workers import this module without diffusers
+    from miles_diffusion.model import FlowModel
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -71,7 +75,9 @@ def step_distribution(
     prompts: torch.Tensor,
     noise_level: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean [B, C, H, W] and scalar std of the Gaussian for the step ``t -> t_next``."""
+    """Mean [B, C, H, W] and scalar std of the Gaussian for the step ``t -> t_next``.
+
+    ``prompts``: the prompt ids [B], or their encodings [B, D] (:meth:`FlowModel.encode_prompts`)."""
     dt = t - t_next
     batch = x_t.shape[0]
     v = model(x_t, torch.full((batch,), t, dtype=x_t.dtype), prompts)
@@ -110,20 +116,30 @@ def sample(
 
 @torch.no_grad()
 def sample_seeded(
-    model: FlowModel, prompts: torch.Tensor, seeds: list[int], config: SamplerConfig
+    model: FlowModel,
+    prompts: torch.Tensor,
+    seeds: list[int],
+    config: SamplerConfig,
+    *,
+    encoded: torch.Tensor | None = None,
 ) -> Trajectory:
     """Sample one trajectory per prompt id, the noise of trajectory ``i`` from its own ``seeds[i]``.
 
-    So a trajectory depends on its prompt, its seed and the weights only, not on what else is in
-    the batch (the engine's form: requests are batched as they come)."""
+    So a trajectory's noise depends on its seed alone, not on what else is in the batch (the
+    engine's form: a request is sampled in microgroups). The batch's size still sets the rounding
+    of the model's forward pass (a few ulp). ``encoded``: the prompts' encodings, computed once
+    per request by :meth:`FlowModel.encode_prompts` and reused for every microgroup; without it
+    the model encodes ``prompts`` at every step."""
     if len(seeds) != prompts.shape[0]:
         raise ValueError(f"{len(seeds)} seeds for {prompts.shape[0]} prompts; give one seed per trajectory")
+    if encoded is not None and encoded.shape[0] != prompts.shape[0]:
+        raise ValueError(f"{encoded.shape[0]} prompt encodings for {prompts.shape[0]} prompts")
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
 
     def draw(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.stack([torch.randn(shape[1:], generator=g) for g in generators])
 
-    return _sample(model, prompts, config, draw)
+    return _sample(model, prompts, config, draw, encoded)
 
 
 def _sample(
@@ -131,7 +147,9 @@ def _sample(
     prompts: torch.Tensor,
     config: SamplerConfig,
     draw: Callable[[tuple[int, ...]], torch.Tensor],
+    encoded: torch.Tensor | None = None,
 ) -> Trajectory:
+    condition = prompts if encoded is None else encoded
     mc = model.config
     shape = (prompts.shape[0], mc.channels, mc.image_size, mc.image_size)
     times = timestep_schedule(config.num_steps)
@@ -140,7 +158,7 @@ def _sample(
     log_probs = []
     for i in range(config.num_steps):
         t, t_next = float(times[i]), float(times[i + 1])
-        mean, std = step_distribution(model, x, t, t_next, prompts, config.noise_level)
+        mean, std = step_distribution(model, x, t, t_next, condition, config.noise_level)
         x = mean + std * draw(shape)
         log_probs.append(gaussian_log_prob(x, mean, std))
         latents.append(x)

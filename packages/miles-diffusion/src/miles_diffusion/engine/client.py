@@ -1,15 +1,19 @@
 """The client of a diffusion engine: what the diffusion rollout and the core's fleet talk to it with.
 
 Beside the calls every path that talks to engines makes (health, weight version, pause / continue,
-flush, abort, ``aclose``) it has :meth:`DiffusionClient.generate_trajectories`. The token calls of the
-core's ``EngineClient`` (``generate``, ``score``) are refused: these engines take prompt ids.
-Trajectories arrive as safetensors bytes and are unpacked on a worker thread, off the event loop.
+flush, abort, ``aclose``) it has :meth:`DiffusionClient.generate_trajectories` (one answer, unpacked
+on a worker thread, off the event loop) and :meth:`DiffusionClient.stream_microgroups` (the
+pipelined form: microgroups as the engine samples them, each unpacked in a decode worker process
+while the next is still being sampled). The token calls of the core's ``EngineClient``
+(``generate``, ``score``) are refused: these engines take prompt ids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
@@ -17,8 +21,16 @@ import httpx
 from miles.engines.client import EngineUnavailable, normalize_url, parse_weight_version
 from miles.errors import EngineError
 from miles.types import GenerateOutput, SamplingParams
+from miles_diffusion.decode import DecodePool
 from miles_diffusion.sampler import SamplerConfig
-from miles_diffusion.wire import TrajectoryBatch, unpack
+from miles_diffusion.wire import (
+    EngineStreamError,
+    FrameReader,
+    Microgroup,
+    TrajectoryBatch,
+    WireError,
+    unpack,
+)
 
 
 def _message(response: httpx.Response) -> str:
@@ -31,6 +43,25 @@ def _message(response: httpx.Response) -> str:
             if data.get(key):
                 return str(data[key])
     return str(data)[:1000]
+
+
+def _check_order(
+    microgroup: Microgroup, number: int, offset: int, count: int, seeds: list[int], where: str
+) -> None:
+    """A frame must be the next microgroup, of the trajectories asked for, in the request's order."""
+    batch_seeds = microgroup.batch.seeds
+    if (
+        microgroup.index != number
+        or microgroup.count != count
+        or microgroup.offset != offset
+        or batch_seeds != [int(s) for s in seeds[offset : offset + len(batch_seeds)]]
+        or not batch_seeds
+    ):
+        raise WireError(
+            f"{where}: out-of-order or foreign frame: microgroup {microgroup.index} of {microgroup.count} at "
+            f"offset {microgroup.offset} with {len(batch_seeds)} trajectories, expected microgroup {number} at "
+            f"offset {offset}"
+        )
 
 
 class DiffusionClient:
@@ -69,18 +100,111 @@ class DiffusionClient:
 
     # ------------------------------------------------------------ trajectories
 
-    async def generate_trajectories(
-        self, prompts: list[int], seeds: list[int], sampler: SamplerConfig
-    ) -> TrajectoryBatch:
-        """One trajectory per prompt id, trajectory ``i`` drawn from ``seeds[i]``."""
-        body = {
+    @staticmethod
+    def _body(
+        prompts: list[int],
+        seeds: list[int],
+        sampler: SamplerConfig,
+        microgroup_size: int | None,
+        stream: bool,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "prompts": [int(p) for p in prompts],
             "seeds": [int(s) for s in seeds],
             "num_steps": sampler.num_steps,
             "noise_level": sampler.noise_level,
         }
+        if microgroup_size is not None:
+            body["microgroup_size"] = int(microgroup_size)
+        if stream:
+            body["stream"] = True
+        return body
+
+    async def generate_trajectories(
+        self,
+        prompts: list[int],
+        seeds: list[int],
+        sampler: SamplerConfig,
+        microgroup_size: int | None = None,
+    ) -> TrajectoryBatch:
+        """One trajectory per prompt id, trajectory ``i`` drawn from ``seeds[i]``; the engine samples
+        them ``microgroup_size`` at a time (default: all at once) and answers once all are drawn."""
+        body = self._body(prompts, seeds, sampler, microgroup_size, stream=False)
         response = await self._request("POST", "/generate_trajectories", body)
         return await asyncio.to_thread(unpack, response.content)
+
+    async def stream_microgroups(
+        self,
+        prompts: list[int],
+        seeds: list[int],
+        sampler: SamplerConfig,
+        microgroup_size: int | None,
+        decoder: DecodePool,
+    ) -> AsyncIterator[Microgroup]:
+        """The same trajectories as :meth:`generate_trajectories` with the same ``microgroup_size``,
+        bit for bit, yielded microgroup by microgroup in order as soon as each is unpacked.
+
+        A reader task takes frames off the socket as they arrive and hands each to ``decoder`` at
+        once, so frame ``k + 1`` is read and unpacked while the caller works on ``k`` (and the
+        engine samples ``k + 2``). Close the iterator (``contextlib.aclosing``) to stop early: the
+        connection is dropped and the engine stops at its next microgroup."""
+        body = self._body(prompts, seeds, sampler, microgroup_size, stream=True)
+        where = f"engine {self.url}/generate_trajectories"
+        pending: asyncio.Queue[Awaitable[Microgroup] | BaseException | None] = asyncio.Queue()
+
+        async def read() -> None:
+            reader = FrameReader(shared=True)
+            try:
+                async with self._client().stream("POST", "/generate_trajectories", json=body) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise EngineError(f"{where}: HTTP {response.status_code}: {_message(response)}")
+                    async for chunk in response.aiter_raw():
+                        for frame in reader.feed(chunk):
+                            pending.put_nowait(asyncio.ensure_future(decoder.decode(frame)))
+                reader.finish()
+            except httpx.HTTPError as exc:
+                pending.put_nowait(EngineUnavailable(f"{where}: the stream broke: {exc!r}", url=self.url))
+            except WireError as exc:
+                pending.put_nowait(WireError(f"{where}: {exc}"))
+            except Exception as exc:
+                pending.put_nowait(exc)
+            finally:
+                pending.put_nowait(None)
+
+        reading = asyncio.create_task(read())
+        expected = len(seeds)
+        received = 0
+        number = 0
+        count: int | None = None
+        try:
+            while (item := await pending.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                index = f"{number}" if count is None else f"{number} of {count}"
+                try:
+                    microgroup = await item
+                except EngineStreamError as exc:
+                    raise EngineError(f"{where}: microgroup {index}: {exc}") from None
+                except WireError as exc:
+                    raise WireError(f"{where}: microgroup {index}: {exc}") from None
+                count = microgroup.count if count is None else count
+                _check_order(microgroup, number, received, count, seeds, where)
+                received += len(microgroup.batch.seeds)
+                number += 1
+                yield microgroup
+            if received != expected:
+                raise WireError(f"{where}: the stream ended after {received} of {expected} trajectories")
+        finally:
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+            while not pending.empty():  # frames decoded for nobody: stop them, and read their errors
+                item = pending.get_nowait()
+                if isinstance(item, asyncio.Future):
+                    if item.done() and not item.cancelled():
+                        item.exception()
+                    item.cancel()
 
     # ------------------------------------------------------------ what the loop calls
 

@@ -2,10 +2,14 @@
 
 Endpoints (JSON bodies; errors are HTTP 400 with ``{"success": false, "message": ...}``):
 
-- ``POST /generate_trajectories`` ``{prompts: [id], seeds: [int], num_steps, noise_level}``: one
-  stochastic (SDE) trajectory per prompt, trajectory ``i`` drawn from ``seeds[i]`` alone. The answer
-  is a safetensors buffer (``miles_diffusion.wire``): every latent, every step's log-probability,
-  the timesteps, and the weight version in its header. Raw bytes, never base64 or pickle.
+- ``POST /generate_trajectories`` ``{prompts: [id], seeds: [int], num_steps, noise_level,
+  microgroup_size?, stream?}``: one stochastic (SDE) trajectory per prompt, trajectory ``i`` drawn
+  from ``seeds[i]`` alone. The prompts are encoded once per request; the trajectories are sampled
+  in microgroups of ``microgroup_size`` (default: all at once), one after another, each reusing
+  those encodings. The answer is a safetensors buffer (``miles_diffusion.wire``): every latent,
+  every step's log-probability, the timesteps, and the weight version in its header. Raw bytes,
+  never base64 or pickle. With ``stream: true`` each microgroup is sent as soon as it is sampled,
+  a length-prefixed frame of its own, while the next is sampled.
 - ``POST /update_weights_from_tensor``: the colocated transport's hand-off (safetensors files by
   bare name in ``--handoff-dir``), staged per bucket; the bucket carrying ``weight_version``
   commits the whole set, which must be the model's full state dict.
@@ -16,8 +20,9 @@ Endpoints (JSON bodies; errors are HTTP 400 with ``{"success": false, "message":
   ``/continue_generation`` (new requests wait while paused), ``/flush_cache`` (nothing is cached:
   a no-op), ``/abort_request`` (a trajectory runs to its end: nothing to abort).
 
-Generation and weight loads share one lock, so a weight update lands between two requests, never
-inside one: every trajectory is drawn by one weight version.
+Generation and weight loads share one lock, held for a whole request (all its microgroups), so a
+weight update lands between two requests, never inside one: every trajectory of a request is drawn
+by one weight version.
 """
 
 from __future__ import annotations
@@ -28,19 +33,29 @@ import logging
 import math
 import os
 import threading
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, read_model_config
-from miles_diffusion.sampler import SamplerConfig, sample_seeded
-from miles_diffusion.wire import MEDIA_TYPE, TrajectoryBatch, pack
+from miles_diffusion.sampler import SamplerConfig, Trajectory, sample_seeded
+from miles_diffusion.wire import (
+    MEDIA_TYPE,
+    STREAM_MEDIA_TYPE,
+    TrajectoryBatch,
+    frame_prefix,
+    pack,
+    pack_error,
+    pack_microgroup,
+)
 
 log = logging.getLogger("miles_diffusion.engine")
 
@@ -63,6 +78,10 @@ class GenerateBody(_Body):
     seeds: list[int] = Field(..., min_length=1, description="one noise seed per trajectory")
     num_steps: int = Field(..., ge=1, le=MAX_STEPS, description="denoising (SDE) steps")
     noise_level: float = Field(..., gt=0.0, description="the SDE's noise scale a (sigma_t = a sqrt(t/(1-t)))")
+    microgroup_size: int | None = Field(
+        None, ge=1, description="trajectories sampled together (default: the whole request at once)"
+    )
+    stream: bool = Field(False, description="send each microgroup as a length-prefixed frame once sampled")
 
 
 class WeightVersionBody(_Body):
@@ -153,13 +172,80 @@ class DiffusionEngine:
         if any(not 0 <= s < 2**63 for s in body.seeds):
             raise EngineRefusal("seeds must lie in [0, 2**63)")
 
-    def generate(self, body: GenerateBody) -> bytes:
+    def sample_microgroups(
+        self,
+        body: GenerateBody,
+        emit: Callable[[int, int, TrajectoryBatch, int, int], None],
+        cancelled: threading.Event | None = None,
+    ) -> None:
+        """Sample the request microgroup by microgroup; ``emit(index, offset, batch, started_ns,
+        finished_ns)`` gets each as soon as it is drawn (and before the next starts).
+
+        The prompts are encoded once, their distinct ids only, and every microgroup reuses the rows.
+        Noise comes from each trajectory's own seed, so microgrouping changes no trajectory's noise;
+        the batch size of the forward pass does change its rounding (a few ulp, docs/diffusion.md).
+        The lock is held throughout: one weight version draws the whole request."""
         sampler = SamplerConfig(num_steps=body.num_steps, noise_level=body.noise_level)
         prompts = torch.tensor(body.prompts, dtype=torch.int64, device=self.device)
-        with self.lock:
-            trajectory = sample_seeded(self.model, prompts, list(body.seeds), sampler)
+        seeds = list(body.seeds)
+        n = len(seeds)
+        size = body.microgroup_size or n
+        with self.lock, torch.no_grad():
             version = self.weight_version
-        return pack(TrajectoryBatch(trajectory, list(body.seeds), sampler, version))
+            distinct, inverse = torch.unique(prompts, return_inverse=True)
+            encoded = self.model.encode_prompts(distinct)[inverse]
+            for index, offset in enumerate(range(0, n, size)):
+                if cancelled is not None and cancelled.is_set():
+                    return  # the client went away: the rest would be sampled for nobody
+                rows = slice(offset, offset + size)
+                started = time.monotonic_ns()
+                trajectory = sample_seeded(
+                    self.model, prompts[rows], seeds[rows], sampler, encoded=encoded[rows]
+                )
+                finished = time.monotonic_ns()
+                emit(
+                    index,
+                    offset,
+                    TrajectoryBatch(trajectory, seeds[rows], sampler, version),
+                    started,
+                    finished,
+                )
+
+    def generate(self, body: GenerateBody) -> bytes:
+        """The whole request as one packed buffer (microgroups sampled in turn, then joined)."""
+        parts: list[TrajectoryBatch] = []
+        self.sample_microgroups(body, lambda index, offset, batch, t0, t1: parts.append(batch))
+        first = parts[0]
+        trajectory = Trajectory(
+            latents=torch.cat([p.trajectory.latents for p in parts]),
+            timesteps=first.trajectory.timesteps,
+            log_probs=torch.cat([p.trajectory.log_probs for p in parts]),
+            prompts=torch.cat([p.trajectory.prompts for p in parts]),
+        )
+        return pack(TrajectoryBatch(trajectory, list(body.seeds), first.sampler, first.weight_version))
+
+    def generate_frames(
+        self, body: GenerateBody, send: Callable[[bytes], None], cancelled: threading.Event
+    ) -> None:
+        """The request as a stream: ``send`` gets each microgroup's length prefix and buffer as soon
+        as it is sampled; a failure after the first frame becomes an error frame (the HTTP status
+        is already sent)."""
+        count = -(-len(body.seeds) // (body.microgroup_size or len(body.seeds)))
+
+        def emit(index: int, offset: int, batch: TrajectoryBatch, started: int, finished: int) -> None:
+            data = pack_microgroup(
+                batch, index=index, count=count, offset=offset, started_ns=started, finished_ns=finished
+            )
+            send(frame_prefix(data))
+            send(data)
+
+        try:
+            self.sample_microgroups(body, emit, cancelled)
+        except Exception as exc:
+            log.exception("streamed generation failed")
+            data = pack_error(f"generation failed: {type(exc).__name__}: {exc}")
+            send(frame_prefix(data))
+            send(data)
 
     # ------------------------------------------------------------ weights
 
@@ -290,8 +376,34 @@ def create_app(engine: DiffusionEngine) -> FastAPI:
     async def generate_trajectories(body: GenerateBody) -> Response:
         engine.check_generate(body)
         await running.wait()
+        if body.stream:
+            return StreamingResponse(_stream(body), media_type=STREAM_MEDIA_TYPE)
         data = await asyncio.to_thread(engine.generate, body)
         return Response(content=data, media_type=MEDIA_TYPE)
+
+    async def _stream(body: GenerateBody) -> AsyncIterator[bytes]:
+        """Frames from the sampling thread, sent as they come (the thread never waits for the socket)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def send(data: bytes | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed under us: the server is stopping
+                loop.call_soon_threadsafe(queue.put_nowait, data)
+
+        def produce() -> None:
+            try:
+                engine.generate_frames(body, send, cancelled)
+            finally:
+                send(None)
+
+        worker = loop.run_in_executor(None, produce)
+        try:
+            while (data := await queue.get()) is not None:
+                yield data
+            await worker
+        finally:
+            cancelled.set()  # a client that left stops the sampling at the next microgroup
 
     @app.post("/generate", summary="Not served: this engine takes prompt ids, not token ids")
     async def generate(body: Annotated[dict[str, Any] | None, Body()] = None) -> JSONResponse:
