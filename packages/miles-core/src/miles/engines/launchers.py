@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal
@@ -245,6 +245,47 @@ class _ProcessLauncher(abc.ABC):
     @abc.abstractmethod
     def _allowed_options(self) -> set[str]:
         """The ``EngineSpec.options`` keys this launcher understands."""
+
+    def module_command(self, module: str, spec: EngineSpec, port: int, flags: Mapping[str, str]) -> list[str]:
+        """``python -m module`` serving ``spec``'s model on its host and ``port``, exiting with this
+        process (``--parent-pid``), plus ``flag value`` for every option in ``flags`` that is set."""
+        argv = [
+            self.python,
+            "-m",
+            module,
+            "--model",
+            str(spec.model_path),
+            "--host",
+            spec.host,
+            "--port",
+            str(port),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        for key, flag in flags.items():
+            if spec.options.get(key) is not None:
+                argv += [flag, str(spec.options[key])]
+        return argv
+
+    def command(self, spec: EngineSpec, port: int) -> list[str]:
+        """The command line of the engine process serving ``spec`` on ``port`` (kinds that start
+        processes with :meth:`start_processes` define it)."""
+        raise NotImplementedError(f"{type(self).__name__} builds no engine command")
+
+    def start_processes(
+        self, specs: list[EngineSpec], log_dir: str, timeout: float, log_name: str = "engine"
+    ) -> list[str]:
+        """Start :meth:`command` for every spec on a free port, each logging to
+        ``log_dir/<log_name>-i.log`` with its hand-off directory made; their URLs once healthy."""
+        jobs = []
+        for i, (spec, port) in enumerate(zip(specs, self._ports(specs), strict=True)):
+            handoff = spec.options.get("handoff_dir")
+            if handoff is not None:
+                Path(handoff).mkdir(parents=True, exist_ok=True)
+            log = Path(log_dir) / f"{log_name}-{i}.log"
+            jobs.append((self.command(spec, port), _url(spec.host, port), log, spec.options.get("env")))
+        self._launch_all(jobs, timeout)
+        return [url for _, url, _, _ in jobs]
 
     def _check_options(self, specs: Sequence[EngineSpec]) -> None:
         allowed = self._allowed_options()
@@ -539,19 +580,6 @@ class EmbeddedLauncher(_ProcessLauncher):
 
     def command(self, spec: EngineSpec, port: int) -> list[str]:
         o = spec.options
-        argv = [
-            self.python,
-            "-m",
-            "miles.engines.embedded",
-            "--model",
-            str(spec.model_path),
-            "--host",
-            spec.host,
-            "--port",
-            str(port),
-            "--parent-pid",
-            str(os.getpid()),
-        ]
         flags = {
             "device": "--device",
             "dtype": "--dtype",
@@ -575,9 +603,7 @@ class EmbeddedLauncher(_ProcessLauncher):
 
         for receiver in installed_receivers().loaded.values():
             flags.update({option.name: option.flag for option in receiver.options})
-        for key, flag in flags.items():
-            if o.get(key) is not None:
-                argv += [flag, str(o[key])]
+        argv = self.module_command("miles.engines.embedded", spec, port, flags)
         if o.get("cuda_graphs") is False:
             argv.append("--no-cuda-graphs")
         if o.get("overlap") is False:
@@ -588,22 +614,7 @@ class EmbeddedLauncher(_ProcessLauncher):
         for i, spec in enumerate(specs):
             if not Path(spec.model_path).is_dir():
                 raise EngineError(f"embedded engine {i}: model path {spec.model_path!r} is not a directory")
-        ports = self._ports(specs)
-        jobs = []
-        for i, (spec, port) in enumerate(zip(specs, ports, strict=True)):
-            handoff = spec.options.get("handoff_dir")
-            if handoff is not None:
-                Path(handoff).mkdir(parents=True, exist_ok=True)
-            jobs.append(
-                (
-                    self.command(spec, port),
-                    _url(spec.host, port),
-                    Path(log_dir) / f"engine-{i}.log",
-                    spec.options.get("env"),
-                )
-            )
-        self._launch_all(jobs, timeout)
-        return [url for _, url, _, _ in jobs]
+        return self.start_processes(specs, log_dir, timeout)
 
 
 # --------------------------------------------------------------- sglang
@@ -668,6 +679,9 @@ class SGLangLauncher(_ProcessLauncher):
     def _allowed_options(self) -> set[str]:
         return set(self.Options.model_fields)
 
+    def command(self, spec: EngineSpec, port: int) -> list[str]:
+        return sglang_command(self.python, spec, port)
+
     def _start(self, specs: list[EngineSpec], log_dir: str, timeout: float) -> list[str]:
         if importlib.util.find_spec("sglang") is None:
             raise EngineError(
@@ -675,15 +689,4 @@ class SGLangLauncher(_ProcessLauncher):
                 "install it with `pip install 'miles-core[sglang]'` (needs CUDA GPUs), or start SGLang "
                 "servers yourself and list them in engine.urls"
             )
-        ports = self._ports(specs)
-        jobs = [
-            (
-                sglang_command(self.python, spec, port),
-                _url(spec.host, port),
-                Path(log_dir) / f"sglang-{i}.log",
-                spec.options.get("env"),
-            )
-            for i, (spec, port) in enumerate(zip(specs, ports, strict=True))
-        ]
-        self._launch_all(jobs, timeout)
-        return [url for _, url, _, _ in jobs]
+        return self.start_processes(specs, log_dir, timeout, log_name="sglang")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.capabilities import EngineCapabilities, engine_capabilities
-from miles.engines.launchers import SGLangLauncher, _ProcessLauncher, free_port, sglang_command
+from miles.engines.launchers import SGLangLauncher, _ProcessLauncher, free_port
 from miles.errors import ConfigError, EngineError
 from miles.interfaces import EngineClient, EngineLauncher, EngineSpec
 from miles.placement.ray_cluster import (
@@ -174,10 +174,7 @@ class EngineHost:
         # the engine's parent (an engine exits when its parent is gone, so a killed actor leaves none).
         launcher = launcher_cls(startup_timeout_s=timeout_s)
         self._launcher = launcher
-        if isinstance(launcher, SGLangLauncher):
-            argv = sglang_command(launcher.python, on_node, port)
-        else:
-            argv = launcher.command(on_node, port)  # type: ignore[attr-defined]
+        argv = launcher.command(on_node, port)
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         started = time.monotonic()
         launcher._launch_all([(argv, url, Path(log_path), spec.options.get("env"))], timeout_s)

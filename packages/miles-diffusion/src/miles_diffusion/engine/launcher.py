@@ -9,7 +9,6 @@ tokenizer for them).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pydantic import Field
@@ -63,19 +62,6 @@ class DiffusionLauncher(ProcessLauncher):
 
     def command(self, spec: EngineSpec, port: int) -> list[str]:
         o = spec.options
-        argv = [
-            self.python,
-            "-m",
-            "miles_diffusion.engine",
-            "--model",
-            str(spec.model_path),
-            "--host",
-            spec.host,
-            "--port",
-            str(port),
-            "--parent-pid",
-            str(os.getpid()),
-        ]
         flags = {
             "device": "--device",
             "dtype": "--dtype",
@@ -86,9 +72,7 @@ class DiffusionLauncher(ProcessLauncher):
             "weight_version": "--weight-version",
             "log_level": "--log-level",
         }
-        for key, flag in flags.items():
-            if o.get(key) is not None:
-                argv += [flag, str(o[key])]
+        argv = self.module_command("miles_diffusion.engine", spec, port, flags)
         if o.get("deterministic"):
             argv.append("--deterministic")
         return argv
@@ -103,20 +87,4 @@ class DiffusionLauncher(ProcessLauncher):
                     f"diffusion engine {i}: dtype {dtype!r} is not supported yet (float32 only, so the engine's "
                     "log-probabilities match the trainer's); set engine.dtype / model.dtype to float32"
                 )
-        ports = self._ports(specs)
-        jobs = []
-        for i, (spec, port) in enumerate(zip(specs, ports, strict=True)):
-            handoff = spec.options.get("handoff_dir")
-            if handoff is not None:
-                Path(handoff).mkdir(parents=True, exist_ok=True)
-            host = f"[{spec.host}]" if ":" in spec.host else spec.host
-            jobs.append(
-                (
-                    self.command(spec, port),
-                    f"http://{host}:{port}",
-                    Path(log_dir) / f"diffusion-engine-{i}.log",
-                    spec.options.get("env"),
-                )
-            )
-        self._launch_all(jobs, timeout)
-        return [url for _, url, _, _ in jobs]
+        return self.start_processes(specs, log_dir, timeout, log_name="diffusion-engine")
