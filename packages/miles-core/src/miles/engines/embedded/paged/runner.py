@@ -8,7 +8,7 @@ reads back one (sampled ids and log-probs): nothing else crosses between host an
 device per step.
 
 Decode steps are *launched* and *read* separately (``launch_decode`` returns a
-``PendingDecode``): the host can launch step N+1 before it reads step N, feeding each
+``PendingSamples``): the host can launch step N+1 before it reads step N, feeding each
 request the token step N sampled for it straight from the device (``last_tokens``),
 so the host's bookkeeping of step N runs while the device computes step N+1. The
 read-back goes to pinned host memory behind a CUDA event, so only the read waits.
@@ -99,14 +99,14 @@ class RoutedCopy:
         return [(st, first, self._host[at : at + n].clone()) for st, first, at, n in self.owners]
 
 
-class PendingDecode:
-    """A decode step launched on the device; ``read()`` waits for it and returns its samples."""
+class PendingSamples:
+    """A step's sampled tokens and log-probs on their way to the host; ``read()`` waits for them."""
 
     def __init__(self, tokens: Any, logprobs: Any, staging: Any | None) -> None:
         n = int(tokens.shape[0])
         both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
         self._event: Any = None
-        if staging is None:  # the CPU: the step has already run
+        if staging is None:  # read at once (the CPU, where the step has already run, or a prefill)
             self._host = both
         else:  # copied to pinned memory without blocking the host; the event marks its end
             self._host = staging[:, :n]
@@ -338,7 +338,8 @@ class PagedRunner:
         )
 
     def _sample(self, logits: Any, rows: Any, positions: Any, filtered: bool | None = None) -> Sampled:
-        return _read(*self._sample_device(logits, rows, positions, filtered))
+        """Sample and read back at once (prefill: its caller needs the tokens before going on)."""
+        return PendingSamples(*self._sample_device(logits, rows, positions, filtered), staging=None).read()
 
     def _sample_device(
         self, logits: Any, rows: Any, positions: Any, filtered: bool | None = None
@@ -351,14 +352,9 @@ class PagedRunner:
         return sample(logits, st)
 
     @torch.inference_mode()
-    def decode(self, states: list[SeqState], last_tokens: list[int], filtered: bool) -> Sampled:
-        """Feed each state's pending token (at position ``kv_len``, its slot allocated); sample."""
-        return self.launch_decode(states, last_tokens, [-1] * len(states), filtered).read()
-
-    @torch.inference_mode()
     def launch_decode(
         self, states: list[SeqState], tokens: list[int], sources: list[int], filtered: bool
-    ) -> PendingDecode:
+    ) -> PendingSamples:
         """Launch the decode step of ``states`` without waiting for it.
 
         Query ``i`` feeds ``tokens[i]``, or, where ``sources[i] >= 0``, the token the previous
@@ -405,7 +401,7 @@ class PagedRunner:
         if self._staging is not None:
             staging = self._staging[self._launches % 2]
         self._launches += 1
-        pending = PendingDecode(out_tokens, logprobs, staging)
+        pending = PendingSamples(out_tokens, logprobs, staging)
         pending.routed = routed
         return pending
 
@@ -447,9 +443,3 @@ class PagedRunner:
             with torch.inference_mode():
                 self.graphs.capture()
         self._released_at = None
-
-
-def _read(tokens: Any, logprobs: Any) -> Sampled:
-    """The step's one device-to-host read: ids and log-probs together."""
-    both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()
-    return Sampled([int(t) for t in both[0].tolist()], both[1].tolist())

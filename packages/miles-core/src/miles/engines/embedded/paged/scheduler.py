@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 from miles.engines.embedded.paged.radix import RadixCache
-from miles.engines.embedded.paged.runner import PagedRunner, PendingDecode, Sampled, SeqState
+from miles.engines.embedded.paged.runner import PagedRunner, PendingSamples, Sampled, SeqState
 from miles.engines.embedded.sampler import GenRequest, Runner
 from miles.engines.embedded.scheduler import Scheduler
 
@@ -209,10 +209,6 @@ class PagedScheduler(Scheduler):
             state = self._states[row] = SeqState(seed=seed, routed=row.return_routed_experts)
         return state
 
-    def _decoding(self, row: GenRequest) -> bool:
-        state = self._states[row]
-        return bool(row.output_ids) and state.kv_len == row.num_fed and row.finish is None
-
     def _decode(self) -> None:
         # The per-row work here runs every step for every row: it is kept to plain attribute
         # reads (at batch 256 the host's share of a step is comparable to the GPU's).
@@ -264,7 +260,7 @@ class PagedScheduler(Scheduler):
             steps += 1
             self._retire()  # finished rows are answered now, not at the end of the run of steps
 
-    def _launch(self, rows: list[GenRequest], previous: list[GenRequest] | None) -> PendingDecode:
+    def _launch(self, rows: list[GenRequest], previous: list[GenRequest] | None) -> PendingSamples:
         """Launch the decode step of ``rows``: each feeds its last token, or, when ``previous`` (the
         rows of the step in flight, in their order) is given, the token that step samples for it."""
         states = self._states
