@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
-import signal
-import socket
 import sys
-import threading
-import time
+
+from miles.engines.process import exit_with_parent, listen
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,32 +32,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise SystemExit(f"miles diffusion engine: port {port} on {host} is already in use") from None
-        raise SystemExit(f"miles diffusion engine: cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(512)
-    return sock
-
-
-def _exit_with_parent(pid: int) -> None:
-    """An engine whose driver died (killed, crashed) must not outlive it holding a port and memory."""
-
-    def watch() -> None:
-        while os.getppid() == pid:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(
@@ -79,9 +50,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"miles diffusion engine: --max-batch-size must be >= 1, got {args.max_batch_size}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(f"miles diffusion engine: {args.model!r} is not a model directory (no config.json)")
-    sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
+    sock = listen(
+        args.host, args.port, "miles diffusion engine", backlog=512
+    )  # before the model loads: a taken port fails at once
     if args.parent_pid is not None:
-        _exit_with_parent(args.parent_pid)
+        exit_with_parent(args.parent_pid)
     import torch
 
     threads = args.torch_threads or int(os.environ.get("MILES_TORCH_THREADS", "0") or 0)

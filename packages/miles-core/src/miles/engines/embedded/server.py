@@ -35,13 +35,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import logging
 import os
-import signal
-import socket
 import sys
-import threading
 import time
 from typing import Annotated, Any, Literal
 
@@ -52,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles.engines.embedded.receivers import InstalledReceivers, installed_receivers
+from miles.engines.process import exit_with_parent, listen
 
 log = logging.getLogger("miles.engines.embedded")
 
@@ -734,36 +731,6 @@ def _parser(receivers: InstalledReceivers | None = None) -> argparse.ArgumentPar
     return p
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise SystemExit(
-                f"miles embedded engine: port {port} on {host} is already in use; "
-                "pick another port (or leave it unset to get a free one)"
-            ) from None
-        raise SystemExit(f"miles embedded engine: cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    return sock
-
-
-def _watch_parent(pid: int) -> None:
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != pid:
-                log.warning("parent process %d is gone; shutting down", pid)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
-    threading.Thread(target=watch, name="miles-parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> None:
     receivers = installed_receivers()
     args = _parser(receivers).parse_args(argv)
@@ -785,10 +752,10 @@ def main(argv: list[str] | None = None) -> None:
             f"miles embedded engine: {args.model!r} is not a Hugging Face model directory (no config.json)"
         )
     # Claim the port before the (slow) model load, so a clash fails at once with a clear message.
-    sock = _bind(args.host, args.port)
+    sock = listen(args.host, args.port, "miles embedded engine")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if args.parent_pid is not None:
-        _watch_parent(args.parent_pid)
+        exit_with_parent(args.parent_pid)
     import torch
     import uvicorn
 
