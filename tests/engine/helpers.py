@@ -163,3 +163,20 @@ def generate_in_process(
     for _ in reqs:
         assert done.acquire(timeout=timeout)
     return reqs
+
+
+def hf_routing(model: Any, ids: list[int]) -> Any:
+    """The experts a Hugging Face Qwen3-MoE model's own routers choose at every position of ``ids``
+    (one unpadded forward): int32 ``[len(ids), sparse layers, top_k]`` on the CPU."""
+    import torch
+
+    captured: list[torch.Tensor] = []
+    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    handles = [m.register_forward_hook(lambda mod, a, out: captured.append(out[2])) for m in routers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids], device=model.device))
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(captured, dim=1).to(device="cpu", dtype=torch.int32)

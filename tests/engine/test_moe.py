@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from engine.helpers import full_forward_logprobs, load_local, make_tiny_qwen3, running_engine
+from engine.helpers import full_forward_logprobs, hf_routing, load_local, make_tiny_qwen3, running_engine
 from miles.engines.client import SGLangClient
 from miles.types import SamplingParams
 
@@ -29,20 +29,6 @@ def moe_dir(engine_tmp: Path) -> Path:
 def url(moe_dir: Path, engine_tmp: Path):
     with running_engine(moe_dir, engine_tmp / "logs-moe") as u:
         yield u
-
-
-def local_routing(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), layers, topk] expert ids from an unpadded forward, via the routers' own outputs."""
-    captured: list[torch.Tensor] = []
-    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
-    handles = [m.register_forward_hook(lambda mod, a, out: captured.append(out[2])) for m in routers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    return torch.stack(captured, dim=1)
 
 
 def test_routed_experts_have_the_right_shape_and_match_the_routers(url: str, moe_dir: Path) -> None:
@@ -68,7 +54,7 @@ def test_routed_experts_have_the_right_shape_and_match_the_routers(url: str, moe
         )
         assert all(0 <= e < NUM_EXPERTS for tok in out.routed_experts for layer in tok for e in layer)
         # Row j is the routing of the forward that produced output j: input position len(prompt) - 1 + j.
-        expected = local_routing(model, prompt + out.output_ids[:-1])[len(prompt) - 1 :]
+        expected = hf_routing(model, prompt + out.output_ids[:-1])[len(prompt) - 1 :]
         got = torch.tensor(out.routed_experts)
         same = [
             set(got[j, layer].tolist()) == set(expected[j, layer].tolist())
@@ -79,7 +65,7 @@ def test_routed_experts_have_the_right_shape_and_match_the_routers(url: str, moe
         # The prompt's rows: every prompt position but the last (whose row is the first output's),
         # so that prompt + output rows cover every position a trainer's forward reads (R3).
         assert out.prompt_routed_experts is not None and len(out.prompt_routed_experts) == len(prompt) - 1
-        want = local_routing(model, prompt)[: len(prompt) - 1]
+        want = hf_routing(model, prompt)[: len(prompt) - 1]
         same = [
             set(row[layer]) == set(want[i, layer].tolist())
             for i, row in enumerate(out.prompt_routed_experts)

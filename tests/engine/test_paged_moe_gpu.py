@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.helpers import VOCAB, full_forward_logprobs, generate_in_process
+from engine.helpers import VOCAB, full_forward_logprobs, generate_in_process, hf_routing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,20 +64,6 @@ def _engine(model_dir: Path, **options: Any) -> Any:
 def _generate(engine: Any, prompts: list[list[int]], **params: Any) -> list[Any]:
     params = {"max_new_tokens": 24, "timeout": 300, "return_routed_experts": True, **params}
     return generate_in_process(engine, prompts, **params)
-
-
-def _hf_routing(model: Any, ids: list[int]) -> torch.Tensor:
-    """[len(ids), sparse layers, top_k] from one unpadded HF forward, via the routers' own outputs."""
-    captured: list[torch.Tensor] = []
-    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
-    handles = [m.register_forward_hook(lambda mod, a, out: captured.append(out[2])) for m in routers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids], device=model.device))
-    finally:
-        for h in handles:
-            h.remove()
-    return torch.stack(captured, dim=1).to(device="cpu", dtype=torch.int32)
 
 
 def _same_sets(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -160,7 +146,7 @@ def test_paged_moe_equals_hf_forward_in_float32(model_dir: Path) -> None:
                 assert r.output_logprobs == pytest.approx(expected, abs=2e-4)
                 routed = torch.cat(r.routed)
                 assert routed.shape == (len(prompt) + 23, 2, 4)
-                assert _same_sets(routed, _hf_routing(local, prompt + r.output_ids[:-1])) >= 0.99
+                assert _same_sets(routed, hf_routing(local, prompt + r.output_ids[:-1])) >= 0.99
         # Rows that do not ask get nothing; the others keep their routing in the same batch.
         mixed = _generate(
             engine, PROMPTS[:2], per_prompt=[{"return_routed_experts": False}, {}], temperature=0.0
@@ -206,7 +192,7 @@ def test_paged_moe_in_bfloat16(model_dir: Path) -> None:
     for r, prompt in zip(reqs, PROMPTS, strict=True):
         expected = full_forward_logprobs(local, prompt, r.output_ids, 1.0)
         diffs += [abs(a - b) for a, b in zip(r.output_logprobs, expected, strict=True)]
-        assert _same_sets(torch.cat(r.routed), _hf_routing(local, prompt + r.output_ids[:-1])) >= 0.9
+        assert _same_sets(torch.cat(r.routed), hf_routing(local, prompt + r.output_ids[:-1])) >= 0.9
     assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 1.0, (sum(diffs) / len(diffs), max(diffs))
 
 
@@ -236,6 +222,6 @@ def test_weight_update_lands_in_the_experts_between_steps(model_dir: Path, engin
         expected = full_forward_logprobs(local, PROMPTS[0], fresh.output_ids, 0.8)
         assert fresh.output_logprobs == pytest.approx(expected, abs=2e-4)
         routed = torch.cat(fresh.routed)
-        assert _same_sets(routed, _hf_routing(local, PROMPTS[0] + fresh.output_ids[:-1])) >= 0.99
+        assert _same_sets(routed, hf_routing(local, PROMPTS[0] + fresh.output_ids[:-1])) >= 0.99
     finally:
         engine.stop()

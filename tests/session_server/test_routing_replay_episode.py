@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from engine.helpers import running_engine
+from engine.helpers import hf_routing, running_engine
 
 from miles.routing import replay_problem, sequence_routing
 from miles.types import Prompt
@@ -74,23 +74,6 @@ def moe_engine(qwen3, tmp_path_factory) -> Iterator[tuple[str, Path]]:
         yield url, model_dir
 
 
-def model_routing(model_dir: Path, ids: list[int]) -> list[list[list[int]]]:
-    """The routers' own choice at every position of ``ids`` (one unpadded forward)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seen: list[torch.Tensor] = []
-    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
-    handles = [r.register_forward_hook(lambda m, a, o: seen.append(o[2])) for r in routers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    return torch.stack(seen, dim=1).tolist()
-
-
 def test_a_session_episode_carries_the_routing_of_every_position(qwen3, moe_engine) -> None:
     from session_server.conftest import session_server
 
@@ -111,7 +94,10 @@ def test_a_session_episode_carries_the_routing_of_every_position(qwen3, moe_engi
     tokens = sample.prompt_ids + sample.response_ids
     rows = sequence_routing(sample)
     assert rows is not None and len(rows) == len(tokens) - 1
-    own = model_routing(model_dir, tokens)[: len(tokens) - 1]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    own = hf_routing(model, tokens)[: len(tokens) - 1].tolist()
     assert len({tuple(sorted(r[0])) for r in own}) >= 5  # routing varies along the sequence
     same = [sorted(r[0]) == sorted(o[0]) for r, o in zip(rows, own, strict=True)]
     # The engine's prefill/decode numerics are not the single forward's: a near-tie may flip.
