@@ -44,7 +44,7 @@ def backends():
         b.shutdown()
 
 
-def _spec(path, dtype="float32", loss="sft", lr=1e-2, **train) -> BackendSpec:
+def _spec(path, dtype="float32", loss="sft", lr=1e-2, megatron=None, **train) -> BackendSpec:
     return BackendSpec(
         model_path=str(path),
         loss=loss,
@@ -54,7 +54,7 @@ def _spec(path, dtype="float32", loss="sft", lr=1e-2, **train) -> BackendSpec:
         temperature=1.0,
         options={
             "train": {"lr": lr, "micro_batch_size": 2, "grad_clip": 1.0, **train},
-            "megatron": {"params_dtype": dtype},
+            "megatron": {"params_dtype": dtype, **(megatron or {})},
         },
     )
 
@@ -117,6 +117,31 @@ def test_offload_round_trip_changes_nothing(tiny, backends):
     assert on["onload/bytes"] == off["offload/bytes"]
     got += [backend.train_step(b)["train/loss"] for b in batches[1:]]
     assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_offload_to_disk_through_a_staging_buffer_changes_nothing(tiny, backends, tmp_path):
+    batches = [make_batch(6, seed=10 + i) for i in range(3)]
+    plain = backends(_spec(tiny, dtype="bfloat16"))
+    want = [plain.train_step(b)["train/loss"] for b in batches]
+    plain.shutdown()
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    (spill / "keep.txt").write_text("not the offloader's")
+    megatron = {"offload_to": "disk", "offload_dir": str(spill), "offload_staging_mb": 1}
+    backend = backends(_spec(tiny, dtype="bfloat16", megatron=megatron))
+    got = [backend.train_step(batches[0])["train/loss"]]
+    for _ in range(2):  # the second cycle reuses the pinned staging buffer
+        off = backend.offload()
+        print("megatron disk offload", off)
+        assert off["offload/bytes"] > 2**20 and off["offload/staging_bytes"] == 2**20
+        assert off["offload/cuda_allocated_after"] < off["offload/cuda_allocated_before"]
+        assert len(list(spill.iterdir())) == 2
+        on = backend.onload()
+        print("megatron disk onload", on)
+        assert on["onload/bytes"] == off["offload/bytes"]
+        assert [p.name for p in spill.iterdir()] == ["keep.txt"]
+    got += [backend.train_step(b)["train/loss"] for b in batches[1:]]
+    assert got == want  # bit for bit
 
 
 def test_checkpoint_round_trip_resumes_exactly(tiny, backends, tmp_path):

@@ -71,7 +71,7 @@ def resolve_layer_spec(options: MegatronOptions) -> Spec:
 
 def refusals(spec: BackendSpec, train: TrainSection, options: MegatronOptions, layer_spec: Spec) -> list[str]:
     """What this backend cannot run yet for ``spec``, one sentence each (empty: it can)."""
-    out = launch_problems(options)
+    out = launch_problems(options) + options.storage_problems()
     unsupported = [s for s in spec.scores if s != OLD_LOGPROBS]
     if unsupported:
         out.append(f"the objective needs {unsupported}, which the megatron backend does not compute yet")
@@ -243,7 +243,8 @@ class MegatronBackend:
         self._use("export_hf").export_hf(os.path.abspath(directory))
 
     def offload(self) -> dict[str, float]:
-        """Colocated placement: parameters, gradient buffers and optimizer state to pinned host memory."""
+        """Colocated placement: parameters, gradient buffers and optimizer state to pinned host memory, or to
+        node-local disk through a fixed-size staging buffer (``megatron.offload_to``)."""
         out = self._use("offload").offload()
         self._offloaded = True
         return {f"offload/{k}": v for k, v in out.items()}

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_DIR_ALLOWED = "allowed: an existing, writable directory on node-local disk"
+
+
+def directory_problem(directory: str, key: str) -> str | None:
+    """Why ``directory`` (the recipe's ``key``) cannot take the files a run writes there, one sentence, or None."""
+    if not os.path.exists(directory):
+        return f"{key} {directory!r} does not exist; {_DIR_ALLOWED}"
+    if not os.path.isdir(directory):
+        return f"{key} {directory!r} is not a directory; {_DIR_ALLOWED}"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{key} {directory!r} is not writable; {_DIR_ALLOWED}"
+    return None
 
 
 class MegatronOptions(BaseModel):
@@ -44,3 +58,37 @@ class MegatronOptions(BaseModel):
         description="pack each micro-batch to at most this many tokens (THD, needs the te spec); "
         "None: train.micro_batch_size padded samples",
     )
+    offload_to: Literal["host", "disk"] = Field(
+        "host",
+        description="colocated offload of the paused actor (weights, gradients, optimizer state): host copies "
+        "each storage to (pinned) host memory; disk streams each to a file under offload_dir through one "
+        "staging buffer of offload_staging_mb, so host memory stays bounded whatever the model's size",
+    )
+    offload_dir: str | None = Field(
+        None,
+        description="offload_to disk: an existing, writable directory on node-local disk; each offload creates "
+        "a fresh subdirectory there and removes it (and only it) at onload. None: the system temp directory",
+    )
+    offload_staging_mb: int = Field(
+        64, ge=1, description="offload_to disk: size of the one reusable (pinned on CUDA) staging buffer, MiB"
+    )
+
+    @model_validator(mode="after")
+    def _offload_dir_needs_disk(self) -> MegatronOptions:
+        if self.offload_dir is not None and self.offload_to != "disk":
+            raise ValueError(
+                f"megatron.offload_dir is set but megatron.offload_to is {self.offload_to!r}; "
+                "allowed: offload_to: disk with offload_dir, or no offload_dir"
+            )
+        return self
+
+    def storage_problems(self) -> list[str]:
+        """The directories the options name that cannot be written, one sentence each (checked before any model work)."""
+        out = []
+        if self.offload_to == "disk":
+            import tempfile
+
+            problem = directory_problem(self.offload_dir or tempfile.gettempdir(), "megatron.offload_dir")
+            if problem is not None:
+                out.append(problem)
+        return out

@@ -38,7 +38,7 @@ def miles_configure(config: Any) -> None:
     # The recipe's own mistakes first (on any machine), then what this machine lacks. Sizes that
     # cannot divide the world are refused here, the model's shape when the backend is set up.
     plan_layout(options)
-    problems = launch_problems(options)
+    problems = launch_problems(options) + options.storage_problems()
     if problems:
         raise ConfigError("backend 'megatron': " + "; ".join(problems))
     problem = runtime_problem(options)

@@ -53,7 +53,7 @@ from miles_megatron.convert import Spec, hf_to_megatron
 from miles_megatron.export import iter_export, shard_for_rank
 from miles_megatron.hf_config import HFModel
 from miles_megatron.layout import ParallelLayout
-from miles_megatron.offload import StorageOffloader
+from miles_megatron.offload import DiskSpill, StorageOffloader
 from miles_megatron.parallel import megatron_parallel
 from miles_megatron.routing import REPLAY_FIELD, RouterHooks, routers_of, supports_replay
 
@@ -179,6 +179,7 @@ class MegatronTrainer:
         self.loss_fn, self.correction_fn = self._components()
         self.transport = self._connect_transport()
         self._offloader: StorageOffloader | None = None
+        self._spill: DiskSpill | None = None  # its staging buffer is kept for the next offload
 
     # ---------------------------------------------------------------- build
 
@@ -536,19 +537,21 @@ class MegatronTrainer:
     def _device_tensors(self) -> Iterator[torch.Tensor]:
         for p in self.gpt.parameters():
             yield p
-            grad = getattr(p, "main_grad", None)
-            if grad is not None:
-                yield grad
-        for buffer in list(getattr(self.model, "buffers", [])) + list(
-            getattr(self.model, "expert_parallel_buffers", [])
-        ):
+            for attr in ("main_grad", "grad"):
+                grad = getattr(p, attr, None)
+                if isinstance(grad, torch.Tensor):
+                    yield grad
+        # megatron's DDP keeps its flat buffers in lists by these names (on CPU the model is the bare
+        # GPTModel, whose ``buffers`` is nn.Module's method).
+        ddp_buffers = [getattr(self.model, n, None) for n in ("buffers", "expert_parallel_buffers")]
+        for buffer in [b for lst in ddp_buffers if isinstance(lst, list) for b in lst]:
             for attr in ("param_data", "grad_data"):
                 t = getattr(buffer, attr, None)
                 if isinstance(t, torch.Tensor):
                     yield t
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(opt, "optimizer", None)
-            if inner is None:
+            inner = getattr(opt, "optimizer", opt)  # megatron's wrapper, or torch's AdamW itself (CPU)
+            if not isinstance(inner, torch.optim.Optimizer):
                 continue
             for group in inner.param_groups:
                 yield from group["params"]
@@ -556,15 +559,25 @@ class MegatronTrainer:
                 yield from (v for v in st.values() if isinstance(v, torch.Tensor))
 
     def offload(self) -> dict[str, float]:
-        self._needs_cuda("offload")
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self._offloader = StorageOffloader(self._device_tensors(), self.device)
-        out = self._offloader.offload()
-        out.update(
-            cuda_allocated_before=float(before),
-            cuda_allocated_after=float(torch.cuda.memory_allocated(self.device)),
-        )
+        """Parameters, gradients and optimizer state out of device memory (``megatron.offload_to``).
+
+        On CPU (``megatron.device: cpu``) the same mechanics move the rank's CPU storages, which
+        is what the CPU tests exercise; only ``disk`` frees anything there."""
+        if self._offloader is not None:
+            raise RuntimeError("already offloaded")
+        self._sync()
+        before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+        if self.options.offload_to == "disk" and self._spill is None:
+            self._spill = DiskSpill(self.options.offload_dir, self.options.offload_staging_mb * 2**20)
+        spill = self._spill if self.options.offload_to == "disk" else None
+        offloader = StorageOffloader(self._device_tensors(), self.device, disk=spill)
+        out = offloader.offload()
+        self._offloader = offloader
+        if self.cuda:
+            out.update(
+                cuda_allocated_before=float(before),
+                cuda_allocated_after=float(torch.cuda.memory_allocated(self.device)),
+            )
         return out
 
     def onload(self) -> dict[str, float]:
@@ -575,6 +588,8 @@ class MegatronTrainer:
         return out
 
     def close(self) -> None:
+        if self._spill is not None:
+            self._spill.remove()  # an offload never brought back: its files, nothing else
         if self.transport is not None:
             self.transport.close()
             self.transport = None
