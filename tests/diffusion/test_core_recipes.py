@@ -18,7 +18,7 @@ def test_the_diffusion_recipes_and_model_are_found_by_name() -> None:
     for name in ("tiny_flow_grpo", "tiny_diffusion_nft"):
         assert shipped[name].location.startswith("miles-diffusion ")
         assert find_recipe(name).display == f"{name}.yaml"
-    assert load_recipe("tiny_flow_grpo").evidence.level == "verified"
+    assert load_recipe("tiny_flow_grpo").evidence.level == "fully gated"
     assert builtin_models()["tiny-flow-unet"].kind == "diffusion"
     assert resolve_model("builtin:tiny-flow-unet").endswith("tiny-flow-unet")
 

@@ -3,24 +3,39 @@ and advantage stage, the diffusion backend and the colocated transport, end to e
 
 The recipe is found by name (miles-diffusion's ``miles.recipes`` entry point), its evidence level is
 printed, the metrics land in the run directory, the reward moves, every step leaves the engine at
-version step + 1, and ``--resume`` from a checkpoint redoes the later steps bit for bit.
+version step + 1, every registered metric of the whole 25-step run equals the committed standard
+``tests/diffusion/standards/tiny_flow_grpo_core*.json`` bit for bit (the recipe's "fully gated"
+evidence; wall-clock times and ``_standards.NOT_REPEATABLE`` aside), and ``--resume`` from a
+checkpoint redoes the later steps bit for bit.
+
+Regenerate this machine's standard (only after an intended numerical change, or to gate a new
+machine bit for bit; say so in the commit): ``uv run python -m tests.diffusion.test_core_run``.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from miles.cli import cli
 from miles.config import load_recipe
 from miles.loop import train
 
+from ._standards import assert_matches_standard, write_standard
+
 pytestmark = pytest.mark.slow
 
-# What a resumed step must reproduce exactly (wall-clock times and process counters aside).
+STANDARD = "tiny_flow_grpo_core"  # tests/diffusion/standards/tiny_flow_grpo_core*.json
+STEPS = 25  # the recipe's own run.num_steps: the standard is of the whole recipe, not a proxy
+RESUME_FROM = 22  # a checkpoint at step 22 (save_every) and at the end: the resume redoes 22..24
+
+# What a resumed step must reproduce exactly (wall-clock times and process counters aside; the
+# buffer's running totals start again in a resumed process).
 REPEATED = (
     "rollout/reward_mean",
     "rollout/reward_std",
@@ -34,7 +49,7 @@ REPEATED = (
 )
 
 
-def _miles(*args: str):
+def _miles(*args: str) -> Result:
     result = CliRunner().invoke(cli, list(args))
     assert result.exit_code == 0, result.output + (result.stderr if result.stderr_bytes is not None else "")
     return result
@@ -44,34 +59,56 @@ def _rows(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_miles_run_trains_the_diffusion_recipe_and_resumes_exactly(tmp_path: Path) -> None:
-    overrides = [
-        f"run.output_dir={tmp_path}",
-        "run.num_steps=5",
-        "run.save_every=3",
-        "tracking.console=false",
-        "engine.options.torch_threads=1",
-        "diffusion.torch_threads=1",
-    ]
-    args = ["run", "tiny_flow_grpo", *(a for o in overrides for a in ("--set", o))]
-    first = _miles(*args)
-    assert "recipe tiny_flow_grpo: evidence level verified" in first.stderr
-    run_dir = tmp_path / "tiny_flow_grpo"
-    rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+def _recipe_args(output_dir: Path) -> list[str]:
+    """The shipped recipe as it is (25 steps, its seeds and one torch thread); only where it writes,
+    how often it checkpoints and the console differ, none of which touches a number."""
+    overrides = [f"run.output_dir={output_dir}", f"run.save_every={RESUME_FROM}", "tracking.console=false"]
+    return ["run", "tiny_flow_grpo", *(a for o in overrides for a in ("--set", o))]
+
+
+@dataclass(frozen=True)
+class FullRun:
+    args: list[str]
+    run_dir: Path
+    rows: list[dict[str, float]]  # read before any later test resumes the run
+    stderr: str
+
+
+def full_run_through_the_cli(output_dir: Path) -> FullRun:
+    args = _recipe_args(output_dir)
+    result = _miles(*args)
+    run_dir = output_dir / "tiny_flow_grpo"
+    return FullRun(args, run_dir, _rows(run_dir), result.stderr)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> FullRun:
+    return full_run_through_the_cli(tmp_path_factory.mktemp("core_run"))
+
+
+def test_miles_run_trains_the_diffusion_recipe(full_run: FullRun) -> None:
+    assert "recipe tiny_flow_grpo: evidence level fully gated" in full_run.stderr
+    rows = full_run.rows
+    assert [r["step"] for r in rows] == list(range(STEPS))
     # Every step updated the engine: it serves version step + 1 (the fleet checked it).
-    assert [r["engine/weight_version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["engine/weight_version"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["train/trajectories"] == 16 and r["rollout/groups_kept"] == 4 for r in rows)
     rewards = [r["rollout/reward_mean"] for r in rows]
-    assert rewards[-1] > rewards[0]  # brightness rises from the first steps (docs/diffusion.md: 25 steps)
-    assert (run_dir / "final" / "model.safetensors").is_file()  # the policy, loadable as model.path
+    assert rewards[-1] > rewards[0] + 0.1  # brightness rises (docs/diffusion.md: 0.541 -> 0.803)
+    assert (full_run.run_dir / "final" / "model.safetensors").is_file()  # the policy, loadable as model.path
 
-    # The run stopped after step 3's checkpoint (the latest pointer names it): --resume redoes 3 and 4.
-    (run_dir / "checkpoints" / "latest").write_text("step_000003")
-    _miles(*args, "--resume")
-    resumed = _rows(run_dir)
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    for before, after in zip(rows[3:], resumed[3:], strict=True):
+
+def test_every_metric_matches_the_committed_standard_bit_for_bit(full_run: FullRun) -> None:
+    assert_matches_standard(STANDARD, full_run.rows)
+
+
+def test_resume_redoes_the_last_steps_exactly(full_run: FullRun) -> None:
+    # The run stopped after step 22's checkpoint (the latest pointer names it): --resume redoes 22..24.
+    (full_run.run_dir / "checkpoints" / "latest").write_text(f"step_{RESUME_FROM:06d}")
+    _miles(*full_run.args, "--resume")
+    resumed = _rows(full_run.run_dir)
+    assert [r["step"] for r in resumed] == list(range(STEPS))
+    for before, after in zip(full_run.rows[RESUME_FROM:], resumed[RESUME_FROM:], strict=True):
         assert {k: after[k] for k in REPEATED} == {k: before[k] for k in REPEATED}
 
 
@@ -112,3 +149,8 @@ def test_miles_run_with_the_pipelined_rollout(tmp_path: Path) -> None:
     assert [r["engine/weight_version"] for r in rows] == [1, 2, 3]
     assert all(r["train/trajectories"] == 16 and r["rollout/groups_kept"] == 4 for r in rows)
     assert all(0.0 < r["rollout/reward_mean"] < 1.0 for r in rows)
+
+
+if __name__ == "__main__":  # regenerate the standard: uv run python -m tests.diffusion.test_core_run
+    with tempfile.TemporaryDirectory() as out:
+        print(f"wrote {write_standard(STANDARD, full_run_through_the_cli(Path(out)).rows)}")
