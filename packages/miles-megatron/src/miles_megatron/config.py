@@ -73,12 +73,40 @@ class MegatronOptions(BaseModel):
         64, ge=1, description="offload_to disk: size of the one reusable (pinned on CUDA) staging buffer, MiB"
     )
 
+    optimizer_streaming: bool = Field(
+        False,
+        description="keep AdamW's state (FP32 master weights, moments) on disk, one safetensors file per bucket "
+        "of parameters, each brought to the device only for its update (miles_megatron.streaming)",
+    )
+    optimizer_streaming_dir: str | None = Field(
+        None,
+        description="optimizer_streaming: an existing, writable directory on node-local disk for the bucket files; "
+        "each rank creates a fresh subdirectory there and removes it (and only it) at shutdown. None: the "
+        "system temp directory",
+    )
+    optimizer_streaming_bucket_mb: float = Field(
+        256.0, gt=0, description="optimizer_streaming: state bytes per bucket (master + two moments), MiB"
+    )
+    optimizer_streaming_moments: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="optimizer_streaming: the stored dtype of exp_avg and exp_avg_sq (the math is FP32)",
+    )
+    optimizer_streaming_prefetch: bool = Field(
+        True,
+        description="optimizer_streaming: read the next bucket on a thread while one updates (two resident)",
+    )
+
     @model_validator(mode="after")
     def _offload_dir_needs_disk(self) -> MegatronOptions:
         if self.offload_dir is not None and self.offload_to != "disk":
             raise ValueError(
                 f"megatron.offload_dir is set but megatron.offload_to is {self.offload_to!r}; "
                 "allowed: offload_to: disk with offload_dir, or no offload_dir"
+            )
+        if self.optimizer_streaming_dir is not None and not self.optimizer_streaming:
+            raise ValueError(
+                "megatron.optimizer_streaming_dir is set but megatron.optimizer_streaming is false; "
+                "allowed: optimizer_streaming: true with optimizer_streaming_dir, or no optimizer_streaming_dir"
             )
         return self
 
@@ -89,6 +117,13 @@ class MegatronOptions(BaseModel):
             import tempfile
 
             problem = directory_problem(self.offload_dir or tempfile.gettempdir(), "megatron.offload_dir")
+            if problem is not None:
+                out.append(problem)
+        if self.optimizer_streaming:
+            import tempfile
+
+            where = self.optimizer_streaming_dir or tempfile.gettempdir()
+            problem = directory_problem(where, "megatron.optimizer_streaming_dir")
             if problem is not None:
                 out.append(problem)
         return out

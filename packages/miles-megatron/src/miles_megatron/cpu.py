@@ -133,6 +133,11 @@ def causal_mask(seq_len: int) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
 
 
+def decays(name: str, p: torch.nn.Parameter) -> bool:
+    """Whether megatron's optimizer applies weight decay to ``p``: not to biases and 1-D parameters."""
+    return not (name.endswith(".bias") or p.dim() == 1)
+
+
 def weight_decay_groups(
     named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
 ) -> list[dict[str, Any]]:
@@ -142,7 +147,7 @@ def weight_decay_groups(
     for name, p in named:
         if not p.requires_grad:
             continue
-        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+        (decay if decays(name, p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
@@ -165,11 +170,22 @@ def reduce_tp_shared_grads(model: torch.nn.Module, qk_layernorm: bool) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float | None, grad_attr: str = "grad"
+) -> float:
     """The gradient norm over the whole model-parallel group (each TP-duplicated parameter counted
-    once, as megatron counts it), and the gradients scaled down to ``max_norm`` when it is above."""
-    grads = [p.grad for p in params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
-    squares = torch.zeros((), dtype=torch.float64)
+    once, as megatron counts it), and the gradients scaled down to ``max_norm`` when it is above.
+
+    ``grad_attr``: ``grad``, or ``main_grad`` where megatron's DDP accumulates (the streamed
+    optimizer on CUDA); the sum is taken on the gradients' device (NCCL reduces CUDA tensors)."""
+    present = [g for g in (getattr(p, grad_attr, None) for p in params) if g is not None]
+    grads = [
+        g
+        for p in params
+        if (g := getattr(p, grad_attr, None)) is not None and param_is_not_tensor_parallel_duplicate(p)
+    ]
+    device = present[0].device if present else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         squares += g.detach().double().pow(2).sum()
     group = parallel_state.get_model_parallel_group()  # TP x PP
@@ -178,7 +194,6 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> 
     norm = math.sqrt(float(squares))
     if max_norm is not None and max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        for g in present:
+            g.mul_(scale)
     return norm

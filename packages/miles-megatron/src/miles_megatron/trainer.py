@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -56,10 +57,12 @@ from miles_megatron.layout import ParallelLayout
 from miles_megatron.offload import DiskSpill, StorageOffloader
 from miles_megatron.parallel import megatron_parallel
 from miles_megatron.routing import REPLAY_FIELD, RouterHooks, routers_of, supports_replay
+from miles_megatron.streaming import StreamedParam, StreamingAdamW, StreamingConfig
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "miles_megatron.json"
+STREAMED = "streaming"  # the marker's ``optimizer`` of a checkpoint written with optimizer streaming
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -164,7 +167,11 @@ class MegatronTrainer:
             )
         self.gpt = gpt
         self.optimizer_steps = 0
-        if self.cuda:
+        self.streaming: StreamingAdamW | None = None
+        self._lr = train.lr
+        if options.optimizer_streaming:
+            self._streaming_optimizer(gpt, train)
+        elif self.cuda:
             self._megatron_optimizer(gpt, train)
         else:
             from miles_megatron.cpu import weight_decay_groups
@@ -183,19 +190,57 @@ class MegatronTrainer:
 
     # ---------------------------------------------------------------- build
 
-    def _megatron_optimizer(self, gpt: Any, train: TrainSection) -> None:
-        """megatron's DDP around ``gpt`` and its optimizer (CUDA)."""
+    def _megatron_ddp(self, gpt: Any) -> None:
+        """megatron's DDP around ``gpt`` (CUDA): FP32 ``main_grad`` buffers, reduced by ``finalize_model_grads``."""
         from megatron.core.distributed import (  # type: ignore[import-untyped]
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # type: ignore[import-untyped]
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=gpt)
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = None
+
+    def _streaming_optimizer(self, gpt: Any, train: TrainSection) -> None:
+        """AdamW with its state streamed from disk per bucket (``miles_megatron.streaming``): on CUDA over
+        megatron's DDP (its ``main_grad`` buffers), on CPU over the bare model's ``grad``."""
+        from miles_megatron.cpu import decays
+
+        if self.cuda:
+            self._megatron_ddp(gpt)
+        else:
+            self.model = gpt
+        params = [
+            StreamedParam(name, p, train.weight_decay if decays(name, p) else 0.0)
+            for name, p in gpt.named_parameters()
+            if p.requires_grad
+        ]
+        config = StreamingConfig(
+            bucket_bytes=max(1, int(self.options.optimizer_streaming_bucket_mb * 2**20)),
+            betas=train.betas,
+            eps=train.eps,
+            moments=self.options.optimizer_streaming_moments,
+            prefetch=self.options.optimizer_streaming_prefetch,
+            grad_attr="main_grad" if self.cuda else "grad",
+        )
+        self.streaming = StreamingAdamW(
+            params, config, self._streamed_layout(), self.options.optimizer_streaming_dir
+        )
+        self.optimizer = self.streaming
+
+    def _streamed_layout(self) -> dict[str, int]:
+        return {**self.layout.megatron_kwargs(), "world": self.layout.world, "rank": self.rank}
+
+    def _megatron_optimizer(self, gpt: Any, train: TrainSection) -> None:
+        """megatron's DDP around ``gpt`` and its optimizer (CUDA)."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # type: ignore[import-untyped]
+
+        self._megatron_ddp(gpt)
         bf16 = self.dtype == torch.bfloat16
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -212,8 +257,6 @@ class MegatronTrainer:
             ),
             [self.model],
         )
-        self.config.no_sync_func = self.model.no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss if bf16 else None
 
     def _components(self) -> tuple[Any, Any]:
@@ -329,12 +372,17 @@ class MegatronTrainer:
         self.model.train()
         if self.cuda:
             self.model.zero_grad_buffer()
+        if self.streaming is not None:
+            self.streaming.zero_grad()
+        elif self.cuda:
             self.optimizer.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
         lr = self.train_opts.lr * self.lr_factor(self.optimizer_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self._lr = lr
+        if self.streaming is None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         kind = self.loss_kind()
         requires = frozenset(getattr(self.loss_fn, "requires", ()))
         if self.routing is not None:
@@ -425,21 +473,29 @@ class MegatronTrainer:
                 metrics[ROUTING_MISMATCH] = mismatched / recorded
         if self.cuda:
             metrics["train/cuda_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.streaming is not None:
+            metrics["optimizer/streamed_peak_resident_bytes"] = float(self.streaming.peak_resident_bytes)
+            metrics["optimizer/streamed_buckets"] = float(len(self.streaming.buckets))
         return metrics
 
     def _optimizer_step(self) -> tuple[bool, float | None]:
         """One optimizer step: (whether it was taken, the gradient norm before clipping)."""
-        if self.cuda:
+        if self.cuda and self.streaming is None:
             ok, grad_norm, _ = self.optimizer.step()
             return bool(ok), grad_norm
         from miles_megatron.cpu import clip_grad_norm, reduce_tp_shared_grads
 
-        reduce_tp_shared_grads(self.gpt, bool(self.config.qk_layernorm))
+        if not self.cuda:  # on CUDA megatron's finalize_model_grads has reduced them
+            reduce_tp_shared_grads(self.gpt, bool(self.config.qk_layernorm))
         params = [p for p in self.gpt.parameters() if p.requires_grad]
-        norm = clip_grad_norm(params, self.train_opts.grad_clip)
-        if not torch.isfinite(torch.tensor(norm)):
+        grad_attr = "main_grad" if self.cuda else "grad"
+        norm = clip_grad_norm(params, self.train_opts.grad_clip, grad_attr)
+        if not math.isfinite(norm):
             return False, norm
-        self.optimizer.step()
+        if self.streaming is not None:
+            self.streaming.step(self._lr)
+        else:
+            self.optimizer.step()
         return True, norm
 
     # ---------------------------------------------------------------- weights
@@ -504,7 +560,30 @@ class MegatronTrainer:
                 "optimizer or device memory); use megatron.device cuda"
             )
 
+    def _streamed_dir(self, directory: str) -> str:
+        return os.path.join(directory, "streaming", f"rank{self.rank:05d}")
+
+    def _write_marker(self, directory: str, optimizer: str) -> None:
+        if self.rank == 0:
+            with open(os.path.join(directory, CHECKPOINT_MARKER), "w") as f:
+                json.dump(
+                    {
+                        "layout": self.layout.megatron_kwargs(),
+                        "world": self.layout.world,
+                        "optimizer": optimizer,
+                        "optimizer_steps": self.optimizer_steps,
+                    },
+                    f,
+                )
+        dist.barrier()
+
     def save_checkpoint(self, directory: str) -> None:
+        """megatron's dist-checkpointing of the model and optimizer, or, with optimizer streaming, each
+        rank's bucket files and manifest (the FP32 masters are the model: its parameters are them cast)."""
+        if self.streaming is not None:
+            self.streaming.save(self._streamed_dir(directory))
+            self._write_marker(directory, STREAMED)
+            return
         from megatron.core import dist_checkpointing
 
         self._needs_cuda("save_checkpoint")
@@ -514,14 +593,35 @@ class MegatronTrainer:
         state = self._sharded_state(loading=False)
         state["miles"] = {"optimizer_steps": self.optimizer_steps}
         dist_checkpointing.save(state, target)
-        if self.rank == 0:
-            with open(os.path.join(directory, CHECKPOINT_MARKER), "w") as f:
-                json.dump(
-                    {"layout": self.layout.megatron_kwargs(), "optimizer_steps": self.optimizer_steps}, f
-                )
-        dist.barrier()
+        self._write_marker(directory, "megatron")
 
     def load_checkpoint(self, directory: str) -> None:
+        with open(os.path.join(directory, CHECKPOINT_MARKER)) as f:
+            marker = json.load(f)
+        written = marker.get("optimizer", "megatron")  # checkpoints from before streaming say nothing
+        if self.streaming is not None:
+            if written != STREAMED:
+                raise ComponentError(
+                    f"megatron.optimizer_streaming is on but checkpoint {directory} was written without it "
+                    f"(optimizer {written!r}); a streamed run resumes only from a streamed checkpoint"
+                )
+            if (
+                marker.get("layout") != self.layout.megatron_kwargs()
+                or marker.get("world") != self.layout.world
+            ):
+                raise ComponentError(
+                    f"checkpoint {directory} was written under layout {marker.get('layout')} on "
+                    f"{marker.get('world')} rank(s); this run has {self.layout.megatron_kwargs()} on "
+                    f"{self.layout.world}: streamed optimizer state resumes only on the same layout"
+                )
+            self.streaming.load(self._streamed_dir(directory))
+            self.optimizer_steps = int(marker["optimizer_steps"])
+            return
+        if written == STREAMED:
+            raise ComponentError(
+                f"checkpoint {directory} was written with megatron.optimizer_streaming (its optimizer state is "
+                "bucket files, not megatron's); resume it with optimizer_streaming: true on the same layout"
+            )
         from megatron.core import dist_checkpointing
 
         self._needs_cuda("load_checkpoint")
@@ -529,8 +629,7 @@ class MegatronTrainer:
         loaded = dist_checkpointing.load(self._sharded_state(loading=True), os.path.join(directory, "dist"))
         self.gpt.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
-        with open(os.path.join(directory, CHECKPOINT_MARKER)) as f:
-            self.optimizer_steps = int(json.load(f)["optimizer_steps"])
+        self.optimizer_steps = int(marker["optimizer_steps"])
 
     # ---------------------------------------------------------------- offload
 
@@ -588,6 +687,9 @@ class MegatronTrainer:
         return out
 
     def close(self) -> None:
+        if self.streaming is not None:
+            self.streaming.close()
+            self.streaming = None
         if self._spill is not None:
             self._spill.remove()  # an offload never brought back: its files, nothing else
         if self.transport is not None:
