@@ -338,3 +338,34 @@ def test_bf16_moments_train_close_to_fp32_ones(tmp_path):
     assert l16[0] == l32[0] and l16[1:] == pytest.approx(l32[1:], abs=1e-3)
     drift = max(float((p32[k] - p16[k]).abs().max()) for k in p32)
     assert 0 < drift < 1e-3, drift
+
+
+def test_streaming_options_are_checked_before_any_model_work(tmp_path):
+    from pydantic import ValidationError
+
+    from miles_megatron.config import MegatronOptions
+
+    on = MegatronOptions(optimizer_streaming=True, optimizer_streaming_dir=str(tmp_path))
+    assert on.storage_problems() == [] and on.optimizer_streaming_moments == "float32"
+    assert on.optimizer_streaming_prefetch and on.optimizer_streaming_bucket_mb == 256.0
+    with pytest.raises(
+        ValidationError, match=r"optimizer_streaming_dir is set but megatron\.optimizer_streaming is false"
+    ):
+        MegatronOptions(optimizer_streaming_dir=str(tmp_path))
+    with pytest.raises(ValidationError, match="optimizer_streaming_bucket_mb"):
+        MegatronOptions(optimizer_streaming=True, optimizer_streaming_bucket_mb=0)
+    with pytest.raises(ValidationError, match="optimizer_streaming_moments"):
+        MegatronOptions(optimizer_streaming=True, optimizer_streaming_moments="float16")  # type: ignore[arg-type]
+    (tmp_path / "file").write_text("x")
+    for where, said in [(tmp_path / "missing", "does not exist"), (tmp_path / "file", "is not a directory")]:
+        problems = MegatronOptions(
+            optimizer_streaming=True, optimizer_streaming_dir=str(where)
+        ).storage_problems()
+        assert problems == [
+            f"megatron.optimizer_streaming_dir {str(where)!r} {said}; "
+            "allowed: an existing, writable directory on node-local disk"
+        ]
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1"):
+        StreamingConfig(bucket_bytes=0, betas=BETAS, eps=1e-8)
+    with pytest.raises(ValueError, match="moments must be one of"):
+        StreamingConfig(bucket_bytes=1, betas=BETAS, eps=1e-8, moments="float16")

@@ -181,6 +181,10 @@ class StreamingAdamW:
                 ahead = self._pool.submit(self._read, index + 1)
             yield index, state
 
+    def disk_bytes(self) -> int:
+        """The bytes of the bucket files (the whole state, as stored)."""
+        return sum(os.path.getsize(f) for f in self._files)
+
     # ------------------------------------------------------------------ the update
 
     def zero_grad(self) -> None:

@@ -21,6 +21,10 @@ allocate on CUDA, so the rank runs the no-pipelining schedule's loop itself (for
 ``loss_func``, backward of the loss over the number of micro-batches) and torch's AdamW with
 megatron's weight-decay groups and a tensor-parallel gradient norm.
 
+With ``megatron.optimizer_streaming`` the optimizer is ``streaming.StreamingAdamW`` instead (on
+CUDA over megatron's DDP and its ``main_grad`` buffers, on CPU over ``grad``): AdamW's FP32 masters
+and moments stay on disk, one file per bucket of parameters, loaded only for that bucket's update.
+
 With TP > 1 the output layer's logits are vocab-sharded; ``gather_vocab`` joins them over the
 TP group (its backward hands each rank its slice), so the log-probs are those of the full
 vocabulary on every TP rank.
