@@ -85,3 +85,36 @@ def test_cpu_launch_refuses_what_it_does_not_run(tmp_path):
     moe = make_checkpoint("qwen3_moe", tmp_path / "moe")
     with pytest.raises(ConfigError, match=r"megatron\.device cpu cannot run a MoE model"):
         MegatronBackend().setup(_spec(moe))
+
+
+def test_streamed_optimizer_over_tp2_ranks_resumes_only_on_its_layout(tmp_path):
+    """Optimizer-state streaming on two TP ranks: each rank streams its own shards' state; the TP = 2
+    run matches the TP = 1 run, resumes from its checkpoint, and TP = 1 refuses that checkpoint."""
+    from miles.errors import ComponentError
+    from miles_megatron.ranks import RankError
+
+    path = make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False)
+    batches = [make_batch(n=5, seed=60 + i) for i in range(2)]
+    streamed = dict(optimizer_streaming=True, optimizer_streaming_bucket_mb=0.02)
+
+    def run(ckpt=None, save=None, **megatron):
+        backend = MegatronBackend()
+        backend.setup(_spec(path, **streamed, **megatron))
+        try:
+            if ckpt is not None:
+                backend.load_checkpoint(str(ckpt))
+                return [backend.train_step(batches[1])["train/loss"]]
+            losses = [backend.train_step(batches[0])["train/loss"]]
+            if save is not None:
+                backend.save_checkpoint(str(save))
+            return [*losses, backend.train_step(batches[1])["train/loss"]]
+        finally:
+            backend.shutdown()
+
+    one = run()
+    two = run(save=tmp_path / "ckpt2", num_ranks=2, tensor_parallel=2)
+    assert two == pytest.approx(one, abs=1e-5)
+    assert sorted(p.name for p in (tmp_path / "ckpt2" / "streaming").iterdir()) == ["rank00000", "rank00001"]
+    assert run(ckpt=tmp_path / "ckpt2", num_ranks=2, tensor_parallel=2) == [two[1]]
+    with pytest.raises((ComponentError, RankError), match="resumes only on the same layout"):
+        run(ckpt=tmp_path / "ckpt2")
