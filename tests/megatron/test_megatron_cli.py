@@ -75,3 +75,25 @@ def test_validate_check_refuses_without_importing_megatron(tmp_path):
     assert lines["LAYOUT_EXIT"] == "1"
     assert "TP x PP x CP = 4 x 1 x 1 = 4 does not divide the world of 6 ranks" in lines["LAYOUT"]
     assert " | " not in lines["LAYOUT"]
+
+
+def test_validate_check_refuses_a_bad_offload_or_streaming_dir_in_one_line(tmp_path):
+    """The directories are checked at pre-flight, before the CUDA check and any model work."""
+    from click.testing import CliRunner
+
+    from miles.cli import cli
+
+    missing = tmp_path / "missing"
+    for sets, said in [
+        (["megatron.offload_to=disk", f"megatron.offload_dir={missing}"], "megatron.offload_dir"),
+        (
+            ["megatron.optimizer_streaming=true", f"megatron.optimizer_streaming_dir={missing}"],
+            "megatron.optimizer_streaming_dir",
+        ),
+    ]:
+        args = ["config", "validate", "--check", "--set", "backend=megatron"]
+        result = CliRunner().invoke(cli, args + [a for s in sets for a in ("--set", s)])
+        assert result.exit_code == 1, result.output
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1, result.output
+        assert f"{said} {str(missing)!r} does not exist; allowed: an existing, writable directory" in lines[0]
