@@ -19,9 +19,14 @@ __all__ = ["FlowGRPOTrainer", "TrainerConfig", "choose_steps", "make_optimizer"]
 
 
 def make_optimizer(model: FlowModel, config: TrainerConfig) -> torch.optim.Optimizer:
-    """The AdamW optimizer every objective trains with."""
+    """The AdamW optimizer every objective trains with, over the parameters that train (all of them,
+    or only a LoRA adapter's: a frozen base keeps no optimizer state)."""
     return torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=config.betas, eps=config.eps
+        [p for p in model.parameters() if p.requires_grad],
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        betas=config.betas,
+        eps=config.eps,
     )
 
 

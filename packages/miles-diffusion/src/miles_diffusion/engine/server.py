@@ -15,6 +15,10 @@ Endpoints (JSON bodies; errors are HTTP 400 with ``{"success": false, "message":
   commits the whole set, which must be the model's full state dict.
 - ``POST /update_weights_from_disk`` ``{model_path, weight_version}``: a whole model directory (the
   fleet's catch-up of a restarted engine, from the trainer's export).
+- ``POST /load_lora_adapter`` ``{lora_name, lora_path}``: a peft LoRA directory, merged into the base
+  weights at once (``miles_diffusion.engine.merge``); later updates to ``/update_weights_from_tensor``
+  carry only its factors (``<module>.lora_A.<name>.weight``), each merged again from the unmerged
+  base. ``POST /unload_lora_adapter`` ``{lora_name}`` restores the base exactly.
 - ``GET /get_weight_version``, ``POST /update_weight_version``, ``GET /health``,
   ``GET /get_model_info``, ``GET /get_server_info``, ``POST /pause_generation`` and
   ``/continue_generation`` (new requests wait while paused), ``/flush_cache`` (nothing is cached:
@@ -45,6 +49,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
+from miles.engines.embedded.lora import LoraError
+from miles_diffusion.engine.merge import AdapterMerger
+from miles_diffusion.lora import split_name
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, read_model_config
 from miles_diffusion.sampler import SamplerConfig, Trajectory, sample_seeded
 from miles_diffusion.wire import (
@@ -108,6 +115,15 @@ class UpdateFromDiskBody(_Body):
     abort_all_requests: bool = False
 
 
+class LoadLoraBody(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraBody(_Body):
+    lora_name: str
+
+
 class PauseBody(_Body):
     mode: str = "abort"
 
@@ -151,6 +167,7 @@ class DiffusionEngine:
         self.lock = threading.Lock()
         self._staged: dict[str, torch.Tensor] = {}
         self._expected = {name: (tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()}
+        self.merger = AdapterMerger(self.model)
 
     # ------------------------------------------------------------ generation
 
@@ -262,6 +279,17 @@ class DiffusionEngine:
         return path
 
     def _checked(self, tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+        factors = {name: t for name, t in tensors.items() if split_name(name) is not None}
+        if factors:  # LoRA factors: the loaded adapter's, merged at the commit
+            try:
+                self.merger.check_update(factors, where)
+            except LoraError as exc:
+                raise EngineRefusal(str(exc)) from None
+            if len(factors) != len(tensors):
+                raise EngineRefusal(
+                    f"{where}: an update carries either full weights or LoRA factors, not both"
+                )
+            return {name: t.float() for name, t in factors.items()}
         unknown = sorted(set(tensors) - set(self._expected))
         if unknown:
             raise EngineRefusal(f"{where}: tensors {unknown[:5]} are not in this model's state dict")
@@ -276,6 +304,22 @@ class DiffusionEngine:
         return {name: t.to(dtype) for name, t in tensors.items()}
 
     def _commit(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        lora = [split_name(name) is not None for name in tensors]
+        if any(lora):
+            if not all(lora):  # buckets of one update may not mix the two kinds either
+                raise EngineRefusal("an update carries either full weights or LoRA factors, not both")
+            with self.lock:
+                try:
+                    self.merger.commit(tensors)
+                except LoraError as exc:
+                    raise EngineRefusal(str(exc)) from None
+                self.weight_version = version
+            return
+        if self.merger.adapter is not None:
+            raise EngineRefusal(
+                f"LoRA adapter {self.merger.adapter.name!r} is merged into the weights; full weights would "
+                "replace its base: POST /unload_lora_adapter first"
+            )
         missing = sorted(set(self._expected) - set(tensors))
         if missing:
             raise EngineRefusal(
@@ -334,8 +378,38 @@ class DiffusionEngine:
         except Exception as exc:
             raise EngineRefusal(f"{body.model_path}: cannot read {WEIGHTS_FILE}: {exc}") from None
         version = self.weight_version if body.weight_version is None else _version(body.weight_version)
+        if any(split_name(name) is not None for name in tensors):
+            raise EngineRefusal(
+                f"{body.model_path}: {WEIGHTS_FILE} holds LoRA factors; load an adapter with /load_lora_adapter"
+            )
         self._commit(self._checked(tensors, body.model_path), version)
         return {"success": True, "message": f"loaded {body.model_path} as weight version {version}"}
+
+    def load_lora(self, body: LoadLoraBody) -> dict[str, Any]:
+        """Merge the peft adapter directory into the base (replacing any adapter merged before)."""
+        try:
+            adapter = self.merger.read(body.lora_name, body.lora_path)
+        except LoraError as exc:
+            raise EngineRefusal(str(exc)) from None
+        with self.lock:
+            self._staged = {}  # an update half-staged for the previous adapter no longer applies
+            self.merger.install(adapter)
+        return {
+            "success": True,
+            "message": f"adapter {adapter.name!r} merged ({len(adapter.factors)} modules) at weight version "
+            f"{self.weight_version}",
+        }
+
+    def unload_lora(self, body: UnloadLoraBody) -> dict[str, Any]:
+        loaded = self.merger.adapter
+        if loaded is None or loaded.name != body.lora_name:
+            raise EngineRefusal(
+                f"no LoRA adapter {body.lora_name!r} is merged (merged: {loaded.name if loaded else None})"
+            )
+        with self.lock:
+            self._staged = {}
+            self.merger.unload()
+        return {"success": True, "message": f"adapter {body.lora_name!r} unmerged: the base weights are back"}
 
     def model_info(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -433,7 +507,12 @@ def create_app(engine: DiffusionEngine) -> FastAPI:
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
-        return {"dp_size": 1, "max_batch_size": engine.max_batch_size, "device": str(engine.device)}
+        return {
+            "dp_size": 1,
+            "max_batch_size": engine.max_batch_size,
+            "device": str(engine.device),
+            "lora_adapter": engine.merger.describe(),
+        }
 
     @app.post(
         "/update_weights_from_tensor", summary="Load hand-off files (staged until the versioned bucket)"
@@ -444,6 +523,14 @@ def create_app(engine: DiffusionEngine) -> FastAPI:
     @app.post("/update_weights_from_disk", summary="Load a whole model directory")
     async def update_weights_from_disk(body: UpdateFromDiskBody) -> dict[str, Any]:
         return await asyncio.to_thread(engine.update_from_disk, body)
+
+    @app.post("/load_lora_adapter", summary="Merge a peft LoRA directory into the base weights")
+    async def load_lora_adapter(body: LoadLoraBody) -> dict[str, Any]:
+        return await asyncio.to_thread(engine.load_lora, body)
+
+    @app.post("/unload_lora_adapter", summary="Restore the base weights (unmerge the adapter)")
+    async def unload_lora_adapter(body: UnloadLoraBody) -> dict[str, Any]:
+        return await asyncio.to_thread(engine.unload_lora, body)
 
     @app.post("/pause_generation", summary="New requests wait until /continue_generation")
     async def pause_generation(body: Annotated[PauseBody | None, Body()] = None) -> dict[str, Any]:
