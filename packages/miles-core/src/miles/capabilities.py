@@ -24,6 +24,10 @@ same way:
   key (``miles.config.options``); ``miles plugins --details`` and ``miles config schema`` list its
   fields. A component without a model takes its options as a free-form mapping, as before.
 
+- a **data source** for ``mode: sft`` whose items are not chat conversations implements
+  ``miles.interfaces.SupervisedSampleSource`` (its ``sample_kind``), and a **backend** lists the
+  kinds it trains there in ``supervised_kinds`` (``check_supervised_kinds``).
+
 ``check_needs(config)`` refuses, in one line per problem, a recipe whose components do not
 fit together; the run calls it before it writes or starts anything.
 """
@@ -354,3 +358,39 @@ def _check_filters(config: MilesConfig) -> None:
                 f"samples, but rollout.n_samples_per_prompt is {n}: every group would be dropped; raise "
                 "n_samples_per_prompt or remove the filter"
             )
+
+
+def supervised_kind(data_source: object) -> str:
+    """The sample kind a data source yields for ``mode: sft`` (chat conversations: ``tokens``)."""
+    from miles.interfaces import TOKEN_SAMPLES, SupervisedSampleSource
+
+    inner = getattr(data_source, "inner", data_source)  # the driver's thread-safe wrapper
+    if isinstance(inner, SupervisedSampleSource):
+        return str(inner.sample_kind)
+    return TOKEN_SAMPLES
+
+
+def backend_supervised_kinds(backend: object) -> frozenset[str]:
+    """The sample kinds a backend (class or instance) trains in ``mode: sft``."""
+    from miles.interfaces import TOKEN_SAMPLES
+
+    kinds = getattr(backend, "supervised_kinds", frozenset({TOKEN_SAMPLES}))
+    if not isinstance(kinds, frozenset) or not all(isinstance(k, str) for k in kinds):
+        raise ConfigError(
+            f"backend {backend!r} declares supervised_kinds={kinds!r}; expected a frozenset of str"
+        )
+    return kinds
+
+
+def check_supervised_kinds(config: MilesConfig, data_source: object) -> None:
+    """``mode: sft``: the data source's sample kind is one the backend trains (one line if not)."""
+    from miles.plugins import load_component
+
+    kind = supervised_kind(data_source)
+    kinds = backend_supervised_kinds(load_component("backend", config.backend))
+    if kind not in kinds:
+        raise ConfigError(
+            f"data.source {config.data.source!r} yields {kind!r} samples for mode: sft, but backend "
+            f"{config.backend!r} trains {', '.join(repr(k) for k in sorted(kinds))} samples only; pair the "
+            "data source with a backend that trains its kind"
+        )

@@ -47,6 +47,28 @@ class DataSource(Protocol):
     def __len__(self) -> int: ...
 
 
+#: The sample kind of supervised data the core turns into samples itself: chat conversations,
+#: tokenized with the policy's tokenizer (loss on the assistant's tokens).
+TOKEN_SAMPLES = "tokens"
+
+
+@runtime_checkable
+class SupervisedSampleSource(Protocol):
+    """A data source for ``mode: sft`` whose items are not chat conversations.
+
+    It hands out prompts in its resumable order like any :class:`DataSource` and turns each into
+    the training sample itself: the sample's ``payload`` is a typed record of the source's
+    ``sample_kind`` (e.g. an image with its conditioning), its token fields stay empty, and the
+    core loads no tokenizer for it. A backend trains a kind when it lists it in its class
+    attribute ``supervised_kinds`` (a backend without one trains :data:`TOKEN_SAMPLES` only); a
+    recipe pairing a source and a backend of different kinds is refused before anything starts.
+    """
+
+    sample_kind: str
+
+    def supervised_sample(self, prompt: Prompt) -> Sample: ...
+
+
 # ------------------------------------------------------------------------ rollout
 
 
@@ -393,7 +415,11 @@ class Transport(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """Owns the policy model and optimizer; driven from the driver process."""
+    """Owns the policy model and optimizer; driven from the driver process.
+
+    In ``mode: sft`` it trains the sample kinds its class attribute ``supervised_kinds`` lists
+    (a ``frozenset[str]``; absent: :data:`TOKEN_SAMPLES` only; see :class:`SupervisedSampleSource`).
+    """
 
     def setup(self, spec: BackendSpec) -> None: ...
 

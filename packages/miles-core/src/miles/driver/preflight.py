@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from miles.capabilities import check_needs
+from miles.capabilities import check_needs, check_supervised_kinds
 from miles.config.options import check_component_options
 from miles.config.schema import MilesConfig
 from miles.driver.adapters import check_adapters
@@ -60,6 +60,8 @@ def preflight(config: MilesConfig, hooks: Hooks | None = None) -> Preflight:
     model_path = resolve_model(config.model.path)
     components = build_components(config, model_path, hooks)
     try:
+        if config.mode == "sft":  # the backend trains what the data source yields (tokens, images, ...)
+            check_supervised_kinds(config, components.data_source)
         check_needs(config)  # the components fit together (transport, engine kind, generate fn, filters)
         check_adapters(config)  # multi-LoRA: what this slice runs (placement, schedule, backend)
         check_routing_replay(config, model_path)  # MoE routing: model, engine kind, rollout, backend

@@ -3,7 +3,7 @@
 Opening a session starts what the recipe asks for: trackers, the Ray session when placement
 asks for one, the engine fleet (RL), the trainer's ranks, the rollout context with the
 plugins' rollout services and served teachers, the schedule's generation side and the evaluator (RL), or
-the conversation stage (SFT). Closing it stops every process the run started, whatever
+the supervised stage (SFT). Closing it stops every process the run started, whatever
 ended the run. The driver (``miles.loop``) only calls the step operations below.
 """
 
@@ -36,7 +36,7 @@ from miles.driver.services import (
 from miles.driver.sft import SFTStage
 from miles.driver.start import RunStart
 from miles.driver.training import make_train_batch
-from miles.interfaces import Backend, RolloutContext
+from miles.interfaces import Backend, RolloutContext, SupervisedSampleSource
 from miles.plugins import load_component
 from miles.routing import records_routing
 from miles.run_dir import LoopState, RunDir
@@ -85,14 +85,15 @@ class RLStage:
         return StepBatch(batch, metrics, [g.prompt.index for g in groups])
 
 
-class ConversationStage:
-    """Supervised fine-tuning: the next conversations, with loss on the assistant's tokens."""
+class SupervisedStage:
+    """Supervised fine-tuning: the next conversations, with loss on the assistant's tokens, or the next
+    samples of a source that makes them itself (e.g. images with their conditioning)."""
 
     def __init__(self, stage: SFTStage) -> None:
         self.stage = stage
 
     def next_batch(self, step: int) -> StepBatch:
-        with timed("data"):  # reading and tokenizing the conversations
+        with timed("data"):  # reading (and tokenizing) the data
             batch, metrics = self.stage.next_batch(step)
         prompts = [] if batch is None else [s.prompt.index for s in batch.samples]
         return StepBatch(batch, metrics, prompts)
@@ -117,7 +118,7 @@ class Session:
         self.console: Any = None
         self.fleet: EngineFleet | None = None
         self.backend: Backend
-        self.stage: RLStage | ConversationStage
+        self.stage: RLStage | SupervisedStage
         self.generation: Any = None
         self.evaluator: Any = None
         self._stack = contextlib.ExitStack()
@@ -172,15 +173,7 @@ class Session:
             if self.fleet is not None and start.state.weight_version > 0:
                 self.fleet.update_weights(self.backend, start.state.weight_version)  # checked like any update
         if not self.rl:
-            sft = config.sft
-            self.stage = ConversationStage(
-                SFTStage(
-                    components.data_source,
-                    _tokenizer(start.model_path),
-                    batch_size=sft.batch_size,
-                    max_length=sft.max_length,
-                )
-            )
+            self.stage = SupervisedStage(_sft_stage(config, components.data_source, start.model_path))
             return
         assert self.fleet is not None
         # Sessions stick to one data-parallel rank of an engine that has several.
@@ -432,6 +425,17 @@ def _start_trackers(
 ) -> dict[str, Any]:
     # The recipe's trackers (and the rollout dumper), each registered as a guarded hook plugin.
     return start_trackers(config, run, first_step, pm, stack)
+
+
+def _sft_stage(config: MilesConfig, data_source: Any, model_path: str) -> SFTStage:
+    """Chat conversations (tokenized here), or a source that makes its samples itself (no tokenizer)."""
+    batch_size = config.sft.batch_size
+    source = getattr(data_source, "inner", data_source)  # SharedDataSource: the source it wraps
+    if isinstance(source, SupervisedSampleSource):
+        return SFTStage(data_source, source.supervised_sample, batch_size=batch_size, tokens=False)
+    return SFTStage.conversations(
+        data_source, _tokenizer(model_path), batch_size=batch_size, max_length=config.sft.max_length
+    )
 
 
 def _tokenizer(model_path: str) -> Any:

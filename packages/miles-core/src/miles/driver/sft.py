@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from miles.errors import DataError
@@ -67,32 +68,57 @@ def conversation_sample(tokenizer: Any, prompt: Prompt, max_length: int) -> Samp
     )
 
 
-class SFTStage:
-    """Hands out one batch of ``batch_size`` conversations per step from the data source."""
+MakeSample = Callable[[Prompt], "Sample | None"]
 
-    def __init__(self, data_source: DataSource, tokenizer: Any, *, batch_size: int, max_length: int) -> None:
+
+class SFTStage:
+    """Hands out one batch of ``batch_size`` training samples per step from the data source.
+
+    ``make_sample`` turns a data item into its sample: for chat conversations
+    (``tokens: True``) :func:`conversation_sample` with the policy's tokenizer, None when
+    truncation leaves nothing to train on; for a ``SupervisedSampleSource`` the source's own
+    ``supervised_sample`` (the sample carries a payload, no tokens).
+    """
+
+    def __init__(
+        self, data_source: DataSource, make_sample: MakeSample, *, batch_size: int, tokens: bool
+    ) -> None:
         self.data_source = data_source
-        self.tokenizer = tokenizer
+        self.make_sample = make_sample
         self.batch_size = batch_size
-        self.max_length = max_length
+        self.tokens = tokens
+
+    @classmethod
+    def conversations(
+        cls, data_source: DataSource, tokenizer: Any, *, batch_size: int, max_length: int
+    ) -> SFTStage:
+        """Chat conversations, loss on the assistant's tokens."""
+        return cls(
+            data_source,
+            lambda prompt: conversation_sample(tokenizer, prompt, max_length),
+            batch_size=batch_size,
+            tokens=True,
+        )
 
     def next_batch(self, step: int) -> tuple[TrainBatch | None, dict[str, float]]:
         t0 = time.perf_counter()
         samples: list[Sample] = []
         skipped = 0
         for prompt in self.data_source.next_prompts(self.batch_size):
-            sample = conversation_sample(self.tokenizer, prompt, self.max_length)
+            sample = self.make_sample(prompt)
             if sample is None:
                 skipped += 1
             else:
                 samples.append(sample)
-        metrics = {
-            "sft/conversations": float(len(samples)),
-            "sft/skipped_truncated": float(skipped),
-            "time/data_s": time.perf_counter() - t0,
-        }
+        if self.tokens:
+            metrics = {"sft/conversations": float(len(samples)), "sft/skipped_truncated": float(skipped)}
+        else:
+            metrics = {"sft/samples": float(len(samples))}
+        metrics["time/data_s"] = time.perf_counter() - t0
         if not samples:
             return None, metrics
+        if not self.tokens:  # one advantage entry per sample: the row a payload's backend expects
+            return TrainBatch(samples=samples, advantages=[[0.0] for _ in samples], step=step), metrics
         metrics["sft/seq_len_mean"] = statistics.fmean(s.total_length for s in samples)
         metrics["sft/loss_tokens_mean"] = statistics.fmean(sum(s.loss_mask) for s in samples)
         advantages = [[0.0] * len(s.response_ids) for s in samples]
