@@ -86,14 +86,12 @@ def test_transformer_config_fields_match_the_hf_config(parallel, tmp_path):
 def test_the_cpu_forward_gives_the_hf_models_logits(parallel, tmp_path, family, extra):
     import transformers
 
-    from miles_megatron.cpu import causal_mask, install_cpu_model, install_cpu_runtime
+    from miles_megatron.cpu import causal_mask
     from miles_megatron.model_config import gpt_model, transformer_config
 
     path = make_checkpoint(family, tmp_path, **extra)
     model = HFModel.from_dir(str(path))
-    install_cpu_runtime(seed=0)
-    gpt = gpt_model(model, transformer_config(model, parallel, "float32", cpu_init=True))
-    install_cpu_model(gpt)
+    gpt = gpt_model(model, transformer_config(model, parallel, "float32", cpu_init=True), cpu=True)
     gpt.load_state_dict(hf_to_megatron(model, checkpoint_tensors(path)), strict=False)
     gpt.eval()
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -103,3 +101,38 @@ def test_the_cpu_forward_gives_the_hf_models_logits(parallel, tmp_path, family, 
         theirs = hf(ids).logits
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_the_cpu_model_is_built_through_megatrons_spec_and_changes_no_megatron_object(parallel, tmp_path):
+    """The CPU pieces are megatron's own extension points (the spec's core-attention slot, a
+    ``GPTModel`` subclass): megatron's global memory buffer and RNG tracker keep their classes, a
+    forward without a mask is the causal one, and attention dropout is refused."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    from miles_megatron.cpu import CPUDotProductAttention, causal_mask
+    from miles_megatron.model_config import gpt_model, transformer_config
+
+    path = make_checkpoint("qwen3", tmp_path)
+    model = HFModel.from_dir(str(path))
+    gpt = gpt_model(model, transformer_config(model, parallel, "float32", cpu_init=True), cpu=True)
+    gpt.load_state_dict(hf_to_megatron(model, checkpoint_tensors(path)), strict=False)
+    gpt.eval()
+    attentions = [m for m in gpt.modules() if isinstance(m, CPUDotProductAttention)]
+    assert len(attentions) == model.num_layers
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        masked = gpt(input_ids=ids, position_ids=positions, attention_mask=causal_mask(7))
+        unmasked = gpt(input_ids=ids, position_ids=positions, attention_mask=None)
+    torch.testing.assert_close(unmasked, masked, rtol=0, atol=1e-6)
+    assert type(parallel_state.get_global_memory_buffer()) is GlobalMemoryBuffer
+    assert type(mrandom.get_cuda_rng_tracker()) is mrandom.CudaRNGStatesTracker
+
+    with pytest.raises(ValueError, match=r"attention dropout 0\.1 is not supported"):
+        gpt_model(
+            model,
+            transformer_config(model, parallel, "float32", cpu_init=True, attention_dropout=0.1),
+            cpu=True,
+        )

@@ -1,27 +1,32 @@
 """megatron-core on CPU over gloo (``megatron.device: cpu``): the pieces its CUDA path hard-codes.
 
 megatron-core 0.16's tensor-parallel layers (column- and row-parallel linears, the
-vocab-parallel embedding) and the GPT model run on CPU over gloo, but three helpers on the
-forward path allocate on ``torch.cuda.current_device()`` unconditionally. Each is given a
-subclass here that computes the same thing on the CPU, installed on megatron's own instances:
+vocab-parallel embedding) and the GPT model run on CPU over gloo, but two modules on the
+forward path allocate on ``torch.cuda.current_device()`` unconditionally. Each is replaced
+through megatron's own construction API, by subclasses built in its place (nothing of
+megatron-core is patched, and no existing object changes class):
 
+- core attention: the local spec's ``DotProductAttention`` takes its score matrix from the
+  global memory buffer (``utils.GlobalMemoryBuffer.get_tensor``, on CUDA) and forks the CUDA
+  RNG tracker around its dropout. :class:`CPUDotProductAttention` keeps megatron's constructor
+  (heads per partition, softmax scale) and computes the same attention with torch's
+  ``scaled_dot_product_attention``; it is put into the layer spec's ``core_attention`` slot, the
+  extension point megatron gives for it (``model_config.layer_spec``). Dropout is refused (the
+  HF families here have none), so no RNG tracker is ever needed;
 - ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to CUDA on its first call
-  (``rotary_pos_embedding.py``): :class:`CPURotaryEmbedding` keeps it where it is;
-- the global memory buffer the local attention takes its score matrix from
-  (``utils.GlobalMemoryBuffer.get_tensor``): :class:`CPUMemoryBuffer` allocates on the CPU;
-- the RNG tracker the attention dropout forks (``tensor_parallel.random``) keeps CUDA generator
-  states: :class:`CPURNGTracker` keeps CPU generator states, seeded as
-  ``model_parallel_cuda_manual_seed`` seeds its CUDA ones.
+  (``rotary_pos_embedding.py``): :class:`CPUGPTModel` (a ``GPTModel``) builds a
+  :class:`CPURotaryEmbedding`, which keeps it where it is, with the same arguments.
 
-The fourth, the default causal mask (``transformer.utils.get_default_causal_mask``, made on
-``"cuda"`` when the attention mask is None), is avoided through megatron's API: the CPU trainer
-passes an explicit mask (:func:`causal_mask`).
+The default causal mask (``transformer.utils.get_default_causal_mask``, made on ``"cuda"`` when
+the attention mask is None) is avoided through megatron's API: the CPU trainer passes an explicit
+mask (:func:`causal_mask`).
 
 Not adapted, so refused on CPU: the MoE router (``router.py``, ``gating`` moves its weights to
 CUDA on every call). What stays CUDA-only in megatron-core and so is not used on CPU: its ``DistributedDataParallel``
 (gradient buffers on the current CUDA device), its optimizer and gradient clipping (``found_inf``
 and norm tensors on ``"cuda"``), its forward/backward schedules (``total_num_tokens`` on
-``"cuda"``) and the pipeline's point-to-point buffers. The CPU trainer runs torch's AdamW with
+``"cuda"``), sequence parallelism (its all-gather buffer is the CUDA memory buffer) and the
+pipeline's point-to-point buffers. The CPU trainer runs torch's AdamW with
 megatron's weight-decay groups, the TP reduction of the q/k-norm gradients megatron's
 ``finalize_model_grads`` does (:func:`reduce_tp_shared_grads`), its own tensor-parallel gradient
 norm (:func:`clip_grad_norm`) and the no-pipelining schedule's loop itself
@@ -30,24 +35,24 @@ norm (:func:`clip_grad_norm`) and the no-pipelining schedule's loop itself
 
 from __future__ import annotations
 
-import contextlib
 import math
-import operator
-from collections.abc import Iterable, Iterator
-from functools import reduce
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state  # type: ignore[import-untyped]
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # type: ignore[import-untyped]
     RotaryEmbedding,
 )
-from megatron.core.tensor_parallel import random as mrandom  # type: ignore[import-untyped]
+from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
 from megatron.core.tensor_parallel.layers import (  # type: ignore[import-untyped]
     param_is_not_tensor_parallel_duplicate,
 )
-from megatron.core.utils import GlobalMemoryBuffer  # type: ignore[import-untyped]
+from megatron.core.transformer.dot_product_attention import (  # type: ignore[import-untyped]
+    DotProductAttention,
+)
 
 
 class CPURotaryEmbedding(RotaryEmbedding):
@@ -62,70 +67,94 @@ class CPURotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
-class CPUMemoryBuffer(GlobalMemoryBuffer):
-    """megatron's global memory buffer, allocating on the CPU."""
+class CPUGPTModel(GPTModel):
+    """megatron's GPT model whose rotary embedding computes on the CPU (:class:`CPURotaryEmbedding`).
 
-    def get_tensor(
-        self, tensor_shape: tuple[int, ...], dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+    Takes ``GPTModel``'s arguments; the rotary ones are passed on to the CPU embedding as
+    ``GPTModel`` passes them to its own.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        rotary_percent: float = 1.0,
+        rotary_base: float = 10000,
+        seq_len_interpolation_factor: float | None = None,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            *args,
+            rotary_percent=rotary_percent,
+            rotary_base=rotary_base,
+            seq_len_interpolation_factor=seq_len_interpolation_factor,
+            rope_scaling=rope_scaling,
+            rope_scaling_factor=rope_scaling_factor,
+            **kwargs,
+        )
+        if type(getattr(self, "rotary_pos_emb", None)) is RotaryEmbedding:
+            self.rotary_pos_emb = CPURotaryEmbedding(
+                kv_channels=self.config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=self.config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=True,
+                cp_group=self.pg_collection.cp,
+            )
+
+
+class CPUDotProductAttention(DotProductAttention):
+    """megatron's local core attention computed by torch's SDPA on whatever device the inputs are.
+
+    Same inputs and output as ``DotProductAttention``: query ``[sq, b, np, hn]``, key and value
+    ``[sk, b, ng, hn]``, megatron's boolean mask (True: masked out; None: causal), context
+    ``[sq, b, np * hn]``. The softmax runs in float32 as megatron's local path does
+    (``attention_softmax_in_fp32``), the scale is the one megatron's constructor chose.
+    """
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        if self.attention_dropout.p != 0.0:
+            raise ValueError(
+                f"megatron.device cpu: attention dropout {self.attention_dropout.p} is not supported "
+                "(megatron draws it from the CUDA RNG tracker); allowed: 0"
+            )
+        if self.config.softmax_type != "vanilla":
+            raise ValueError(
+                f"megatron.device cpu: softmax_type {self.config.softmax_type!r}; allowed: vanilla"
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        required = reduce(operator.mul, tensor_shape, 1)
-        buf = self.buffer.get((name, dtype))
-        if buf is None or buf.numel() < required:
-            buf = self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, requires_grad=False)
-        return buf[0:required].view(*tensor_shape)
-
-
-class CPURNGTracker(mrandom.CudaRNGStatesTracker):
-    """megatron's RNG-states tracker over CPU generator states."""
-
-    def add(self, name: str, seed: int) -> None:
-        self._is_initialized = True
-        if seed in self.seeds_:
-            raise RuntimeError(f"seed {seed} already exists")
-        if name in self.states_:
-            raise RuntimeError(f"rng state {name} already exists")
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    @contextlib.contextmanager
-    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
-        if name not in self.states_:
-            raise RuntimeError(f"rng state {name} is not added")
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(outer)
-
-
-def install_cpu_runtime(seed: int) -> None:
-    """The CPU memory buffer and RNG tracker (call after ``initialize_model_parallel``)."""
-    parallel_state.get_global_memory_buffer().__class__ = CPUMemoryBuffer
-    mrandom.initialize_rng_tracker(force_reset=True)
-    tracker = mrandom.get_cuda_rng_tracker()
-    tracker.__class__ = CPURNGTracker
-    tracker.reset()
-    # The seeds model_parallel_cuda_manual_seed gives the three states.
-    offset = seed + 2718
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, offset + tp_rank)
-    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    expert = (
-        offset
-        + 1
-        + 100 * parallel_state.get_expert_model_parallel_rank()
-        + parallel_state.get_expert_tensor_parallel_rank()
-    )
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, expert)
-
-
-def install_cpu_model(model: torch.nn.Module) -> None:
-    """Every rotary embedding of ``model`` computes on the CPU."""
-    for module in model.modules():
-        if type(module) is RotaryEmbedding:
-            module.__class__ = CPURotaryEmbedding
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("megatron.device cpu: packed sequences and attention biases are not supported")
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        # [s, b, heads, hn] -> [b, heads, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if attention_mask is None:
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        else:
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale
+            )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        context = context.to(query.dtype).permute(2, 0, 1, 3).contiguous()
+        return context.view(*context.shape[:2], self.hidden_size_per_partition)
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:

@@ -111,33 +111,60 @@ def transformer_config(
     return TransformerConfig(**fields)
 
 
-def layer_spec(model: HFModel, config: TransformerConfig, spec: Literal["local", "te"] = "local") -> Any:
+def layer_spec(
+    model: HFModel, config: TransformerConfig, spec: Literal["local", "te"] = "local", *, cpu: bool = False
+) -> Any:
     """The decoder's layer spec: megatron-core's local one, or Transformer Engine's (needs it installed).
 
     A MoE model gets the decoder-block spec, which builds each layer as ``moe_layer_freq`` says
-    (Qwen3-MoE's ``mlp_only_layers`` are dense).
+    (Qwen3-MoE's ``mlp_only_layers`` are dense). ``cpu``: the local spec with the core attention
+    that runs on the CPU (``miles_megatron.cpu.CPUDotProductAttention``), put in the spec's own
+    ``core_attention`` slot.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if cpu and (model.is_moe or spec == "te"):
+        raise ValueError(
+            "megatron.device cpu runs dense models with the local layer spec only "
+            f"(got {'a MoE model' if model.is_moe else 'the te spec'})"
+        )
     if model.is_moe:
         return specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=spec == "te", normalization="RMSNorm"
         )
     if spec == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+    local = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+    if cpu:
+        from miles_megatron.cpu import CPUDotProductAttention
+
+        local.submodules.self_attention.submodules.core_attention = CPUDotProductAttention
+    return local
 
 
 def gpt_model(
-    model: HFModel, config: TransformerConfig, spec: Literal["local", "te"] = "local", **kwargs: Any
+    model: HFModel,
+    config: TransformerConfig,
+    spec: Literal["local", "te"] = "local",
+    *,
+    cpu: bool = False,
+    **kwargs: Any,
 ) -> GPTModel:
-    """megatron-core's GPT model for ``model`` (needs ``parallel_state`` initialised for ``config``'s layout)."""
+    """megatron-core's GPT model for ``model`` (needs ``parallel_state`` initialised for ``config``'s layout).
+
+    ``cpu``: the model that runs on the CPU (``miles_megatron.cpu``: its core attention and rotary
+    embedding), for ``megatron.device: cpu``."""
     from megatron.core.models.gpt import GPTModel
 
+    model_class: type[GPTModel] = GPTModel
+    if cpu:
+        from miles_megatron.cpu import CPUGPTModel
+
+        model_class = CPUGPTModel
     args = gpt_args(model)
-    return GPTModel(
+    return model_class(
         config=config,
-        transformer_layer_spec=layer_spec(model, config, spec),
+        transformer_layer_spec=layer_spec(model, config, spec, cpu=cpu),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_sequence_length,
         position_embedding_type="rope",

@@ -131,10 +131,6 @@ class MegatronTrainer:
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # type: ignore[import-untyped]
 
             model_parallel_cuda_manual_seed(spec.seed)
-        else:
-            from miles_megatron.cpu import install_cpu_runtime
-
-            install_cpu_runtime(spec.seed)
         self.lr_factor = lr_multiplier(train, decay_steps(train, spec.config))
 
         self.hf = HFModel.from_dir(spec.model_path)
@@ -152,14 +148,10 @@ class MegatronTrainer:
             cpu_init=not self.cuda,
             **({REPLAY_FIELD: True} if replay else {}),
         )
-        gpt = gpt_model(self.hf, self.config, layer_spec).to(self.device)
+        gpt = gpt_model(self.hf, self.config, layer_spec, cpu=not self.cuda).to(self.device)
         # MoE: the routers count where their top-k differs from the routing the rollout recorded and,
         # with replay on, route as it did (R3; miles_megatron.routing).
         self.routing = RouterHooks(routers_of(gpt), replay=replay) if self.hf.is_moe else None
-        if not self.cuda:
-            from miles_megatron.cpu import install_cpu_model
-
-            install_cpu_model(gpt)
         full = hf_to_megatron(self.hf, load_hf_tensors(spec.model_path), layer_spec)
         state = {k: v.to(self.dtype) for k, v in shard_for_rank(self.hf, layout, rank, full).items()}
         result = gpt.load_state_dict(state, strict=False)
