@@ -53,14 +53,6 @@ class MergedAdapter:
         )
 
 
-def delta(module: nn.Module, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """The weight change ``scale * B A`` of one adapted module, in the module weight's shape."""
-    if isinstance(module, nn.Linear):
-        return scale * (b @ a)
-    # Conv2d: B is a 1x1 conv over A's r output channels, so the composed kernel sums over r.
-    return scale * torch.einsum("or,rihw->oihw", b[:, :, 0, 0], a)
-
-
 def _expected(module: nn.Module, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
@@ -195,14 +187,15 @@ class AdapterMerger:
         assert self.adapter is not None
         with torch.no_grad():
             for module, (a, b) in self.adapter.factors.items():
-                target = self.modules[module]
-                weight = target.weight
+                weight = self.modules[module].weight
                 assert isinstance(weight, torch.Tensor)
                 base = self._base[module]
-                merged = base + delta(
-                    target, a.to(base.device, base.dtype), b.to(base.device, base.dtype), self.adapter.scale
-                )
-                weight.copy_(merged)
+                # In place, no delta-sized temporaries: W = W_base, then W += scale * B A as one GEMM
+                # (a Conv2d's kernel flattened to [out, in * kh * kw], A's to [r, in * kh * kw]).
+                weight.copy_(base)
+                a2 = a.to(base.device, base.dtype).reshape(a.shape[0], -1)
+                b2 = b.to(base.device, base.dtype).reshape(b.shape[0], -1)
+                weight.view(weight.shape[0], -1).addmm_(b2, a2, alpha=self.adapter.scale)
 
     def describe(self) -> dict[str, Any] | None:
         a = self.adapter
