@@ -73,11 +73,35 @@ def test_tp2_over_gloo_equals_one_rank(tmp_path):
         assert all(torch.equal(exported[k], hf[k]) for k in hf), run
 
 
+def test_dp2_over_gloo_equals_one_rank(tmp_path):
+    """DP = 2: two rank processes each train on their share of the micro-batches (5 samples in
+    micro-batches of 2: shares of 2 and 1), the gradients summed over the DP group; the step's loss,
+    gradient norm and the log-probs before and after it equal one rank's, and the scores come back
+    in the batch's order."""
+    path = make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False)
+    one = _run(path, tmp_path / "one")
+    two = _run(path, tmp_path / "two", num_ranks=2)
+    assert _close(one[0], two[0], 1e-6)
+    assert abs(one[1]["train/loss"] - two[1]["train/loss"]) < 1e-6
+    assert abs(one[1]["train/grad_norm"] - two[1]["train/grad_norm"]) < 1e-5
+    assert one[1]["train/num_tokens"] == two[1]["train/num_tokens"]
+    assert _close(one[2], two[2], 1e-5)
+    assert not _close(one[0], one[2], 1e-3)
+
+
+def test_dp_is_refused_on_cuda_in_one_line():
+    from miles_megatron.config import MegatronOptions
+    from miles_megatron.hooks import launch_problems
+
+    assert launch_problems(MegatronOptions(num_ranks=2, device="cpu")) == []
+    (problem,) = launch_problems(MegatronOptions(num_ranks=4, tensor_parallel=2, device="cuda"))
+    assert "data parallelism (DP = 2) runs on megatron.device cpu only" in problem
+
+
 def test_cpu_launch_refuses_what_it_does_not_run(tmp_path):
     path = make_checkpoint("qwen3", tmp_path / "hf")
     for megatron, said in [
         (dict(num_ranks=2, pipeline_parallel=2), "megatron.pipeline_parallel is 2"),
-        (dict(num_ranks=2), "data parallelism (DP = 2) is not built yet"),
         (dict(num_ranks=2, tensor_parallel=2, sequence_parallel=True), "megatron.sequence_parallel is true"),
     ]:
         with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):

@@ -67,11 +67,14 @@ def launch_problems(options: MegatronOptions) -> list[str]:
     if options.sequence_parallel:
         out.append("megatron.sequence_parallel is true: not launched yet; allowed: false")
     model_parallel = options.tensor_parallel * options.pipeline_parallel * options.context_parallel
-    if options.num_ranks != model_parallel and model_parallel and options.num_ranks % model_parallel == 0:
+    data_parallel = (
+        options.num_ranks != model_parallel and model_parallel and options.num_ranks % model_parallel == 0
+    )
+    if data_parallel and options.device == "cuda":
         out.append(
             f"megatron.num_ranks is {options.num_ranks}: data parallelism (DP = "
-            f"{options.num_ranks // model_parallel}) is not built yet (the batch is not split over DP "
-            f"ranks); allowed: num_ranks = tensor_parallel = {options.tensor_parallel}"
+            f"{options.num_ranks // model_parallel}) runs on megatron.device cpu only so far (on GPUs "
+            f"it has not been run); allowed with cuda: num_ranks = tensor_parallel = {options.tensor_parallel}"
         )
     return out
 

@@ -55,6 +55,7 @@ from miles.routing import ROUTING_MISMATCH
 from miles_megatron.batch import OLD_LOGPROBS, MicroBatch, Row, collate, token_logprobs
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import Spec, hf_to_megatron
+from miles_megatron.data_parallel import dp_share, gather_shares, interleave, sum_gradients
 from miles_megatron.export import iter_export, shard_for_rank
 from miles_megatron.hf_config import HFModel
 from miles_megatron.layout import ParallelLayout
@@ -116,6 +117,10 @@ class MegatronTrainer:
         self.spec, self.layout, self.options, self.train_opts = spec, layout, options, train
         self.layer_spec = layer_spec
         self.rank = rank
+        # Data parallelism (CPU trainer): this rank's share of each step's micro-batches.
+        self.dp_rank, self.dp_size = layout.coords(rank).dp, layout.dp
+        if self.dp_size > 1 and options.device == "cuda":  # hooks.launch_problems refuses it first
+            raise ComponentError("megatron: data parallelism runs on megatron.device cpu only so far")
         self.pm = get_plugin_manager()
         self.cuda = options.device == "cuda"
         if self.cuda:
@@ -335,8 +340,15 @@ class MegatronTrainer:
         return {"packed_seq_params": packed_seq_params(PackedSeqParams, mb)}
 
     def _micro_batches(self, groups: list[list[Row]]) -> list[MicroBatch]:
+        """This rank's micro-batches: its DP share of ``groups`` (all of them without DP)."""
         packed = self.options.micro_batch_tokens is not None
-        return [collate(rows, packed=packed).to(self.device) for rows in groups]
+        mine = dp_share(groups, self.dp_rank, self.dp_size)
+        return [collate(rows, packed=packed).to(self.device) for rows in mine]
+
+    def _dp_group(self) -> Any:
+        from megatron.core import parallel_state  # type: ignore[import-untyped]
+
+        return parallel_state.get_data_parallel_group()
 
     def score(self, groups: list[list[Row]], names: list[str]) -> list[list[dict[str, list[float]]]]:
         """Forward-only: per micro-batch, per row, the named signals (``old_logprobs`` only)."""
@@ -353,7 +365,10 @@ class MegatronTrainer:
 
         with torch.no_grad():
             outs = self._run_schedule(mbs, loss_func, forward_only=True)
-        return [[{OLD_LOGPROBS: row} for row in out["rows"]] for out in outs]
+        rows = [out["rows"] for out in outs]
+        if self.dp_size > 1:  # every micro-batch's rows, in the order of ``groups``
+            rows = interleave(gather_shares(rows, self._dp_group()))
+        return [[{OLD_LOGPROBS: row} for row in mb_rows] for mb_rows in rows]
 
     def _sync(self) -> None:
         if self.cuda:
@@ -433,6 +448,14 @@ class MegatronTrainer:
             return out.loss * n, reduced
 
         outs = self._run_schedule(mbs, loss_func, forward_only=False)
+        tokens = sum(mb.num_tokens for mb in mbs)
+        if self.dp_size > 1:
+            # The losses are normalised by the whole step's counts: the DP ranks' gradients sum to
+            # the batch's (megatron's DDP does this on CUDA, which is not launched with DP yet).
+            sum_gradients([p for p in self.gpt.parameters() if p.requires_grad], self._dp_group())
+            shares = gather_shares([(outs, tokens)], self._dp_group())
+            outs = [o for share in shares for o in share[0][0]]
+            tokens = sum(share[0][1] for share in shares)
         self._sync()
         t_fb = time.perf_counter()
         ok, grad_norm = self._optimizer_step()
@@ -446,7 +469,6 @@ class MegatronTrainer:
             for k, v in o["metrics"].items():
                 sums[k] = sums.get(k, 0.0) + v * o["loss_tokens"]
                 weights[k] = weights.get(k, 0.0) + o["loss_tokens"]
-        tokens = sum(mb.num_tokens for mb in mbs)
         elapsed = t_opt - t0
         metrics = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
         metrics.update(
@@ -497,7 +519,7 @@ class MegatronTrainer:
     # ---------------------------------------------------------------- weights
 
     def _gather(self, name: str, tensor: torch.Tensor, group: str) -> list[torch.Tensor]:
-        from megatron.core import parallel_state  # type: ignore[import-untyped]
+        from megatron.core import parallel_state
 
         pg = (
             parallel_state.get_expert_tensor_parallel_group()
