@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
-from miles.interfaces import BackendSpec, TransportStats
+from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, BackendSpec, TransportStats
 from miles.types import Sample, TrainBatch
 from miles_megatron.batch import (
     OLD_LOGPROBS,
@@ -72,9 +72,11 @@ def resolve_layer_spec(options: MegatronOptions) -> Spec:
 def refusals(spec: BackendSpec, train: TrainSection, options: MegatronOptions, layer_spec: Spec) -> list[str]:
     """What this backend cannot run yet for ``spec``, one sentence each (empty: it can)."""
     out = launch_problems(options) + options.storage_problems()
-    unsupported = [s for s in spec.scores if s != OLD_LOGPROBS]
+    unsupported = [s for s in spec.scores if s not in (OLD_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS)]
     if unsupported:
         out.append(f"the objective needs {unsupported}, which the megatron backend does not compute yet")
+    if TEACHER_LOGPROBS in spec.scores and not spec.teacher_model_path:
+        out.append("the objective needs teacher_logprobs but no teacher model is named")
     if spec.critic is not None:
         out.append("a critic (PPO values) is not built for the megatron backend yet")
     if spec.placement.get("launcher", "local") != "local":
@@ -133,6 +135,19 @@ class MegatronBackend:
         layout = plan_layout(options)
         hf = HFModel.from_dir(spec.model_path)
         layout.check_model(ModelShape.of(hf))
+        # The frozen scorers are split over the same layout as the policy.
+        scorers = (
+            ("reference", REF_LOGPROBS, spec.ref_model_path),
+            ("teacher", TEACHER_LOGPROBS, spec.teacher_model_path),
+        )
+        for role, name, path in scorers:
+            if name not in spec.scores or not path or path == spec.model_path:
+                continue
+            if not os.path.isfile(os.path.join(path, "config.json")):
+                raise ModelError(
+                    f"megatron: the {role} model path {path!r} is not a Hugging Face model directory"
+                )
+            layout.check_model(ModelShape.of(HFModel.from_dir(path)))
         layer_spec = resolve_layer_spec(options)
         problems = refusals(spec, train, options, layer_spec)
         if hf.is_moe and layout.world > 1:

@@ -49,7 +49,15 @@ import torch.distributed as dist
 
 from miles.config.schema import TrainSection
 from miles.errors import ComponentError, ModelError
-from miles.interfaces import BackendSpec, CorrectionOutput, LossInputs, LossOutput, TransportStats
+from miles.interfaces import (
+    REF_LOGPROBS,
+    TEACHER_LOGPROBS,
+    BackendSpec,
+    CorrectionOutput,
+    LossInputs,
+    LossOutput,
+    TransportStats,
+)
 from miles.lr_schedule import decay_steps, lr_multiplier
 from miles.routing import ROUTING_MISMATCH
 from miles_megatron.batch import OLD_LOGPROBS, MicroBatch, Row, collate, token_logprobs
@@ -157,16 +165,12 @@ class MegatronTrainer:
         # MoE: the routers count where their top-k differs from the routing the rollout recorded and,
         # with replay on, route as it did (R3; miles_megatron.routing).
         self.routing = RouterHooks(routers_of(gpt), replay=replay) if self.hf.is_moe else None
-        full = hf_to_megatron(self.hf, load_hf_tensors(spec.model_path), layer_spec)
-        state = {k: v.to(self.dtype) for k, v in shard_for_rank(self.hf, layout, rank, full).items()}
-        result = gpt.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
-        if missing or result.unexpected_keys:
-            raise ModelError(
-                f"megatron: the converted weights do not fit the model: missing {missing[:5]}, "
-                f"unexpected {list(result.unexpected_keys)[:5]}"
-            )
+        self._load_weights(gpt, self.hf, spec.model_path)
         self.gpt = gpt
+        # Frozen scorers (reference policy, teacher), built only when the objective reads them.
+        self.scorers: dict[str, Any] = {
+            name: self._frozen_model(path, name) for name, path in scorer_paths(spec).items()
+        }
         self.optimizer_steps = 0
         self.streaming: StreamingAdamW | None = None
         self._lr = train.lr
@@ -190,6 +194,36 @@ class MegatronTrainer:
         self._spill: DiskSpill | None = None  # its staging buffer is kept for the next offload
 
     # ---------------------------------------------------------------- build
+
+    def _load_weights(self, gpt: Any, hf: HFModel, path: str) -> None:
+        """This rank's shard of the HF checkpoint at ``path``, converted, into ``gpt``."""
+        full = hf_to_megatron(hf, load_hf_tensors(path), self.layer_spec)
+        state = {k: v.to(self.dtype) for k, v in shard_for_rank(hf, self.layout, self.rank, full).items()}
+        result = gpt.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise ModelError(
+                f"megatron: the converted weights of {path} do not fit the model: missing {missing[:5]}, "
+                f"unexpected {list(result.unexpected_keys)[:5]}"
+            )
+
+    def _frozen_model(self, path: str, role: str) -> Any:
+        """A forward-only megatron model of the HF directory ``path`` on this rank's layout
+        (the reference policy or the teacher): no gradients, no optimizer, never saved (a resumed
+        run builds it again from ``path``)."""
+        from miles_megatron.model_config import gpt_model, transformer_config
+
+        hf = self.hf if path == self.spec.model_path else HFModel.from_dir(path)
+        if hf.vocab_size != self.hf.vocab_size:
+            raise ModelError(
+                f"megatron: the {role} model {path} has a vocabulary of {hf.vocab_size}, the policy "
+                f"{self.hf.vocab_size}; it must score the policy's token ids"
+            )
+        config = transformer_config(hf, self.layout, self.options.params_dtype, cpu_init=not self.cuda)
+        model = gpt_model(hf, config, self.layer_spec, cpu=not self.cuda).to(self.device)
+        self._load_weights(model, hf, path)
+        model.requires_grad_(False)
+        return model.eval()
 
     def _megatron_ddp(self, gpt: Any) -> None:
         """megatron's DDP around ``gpt`` (CUDA): FP32 ``main_grad`` buffers, reduced by ``finalize_model_grads``."""
@@ -351,11 +385,45 @@ class MegatronTrainer:
         return parallel_state.get_data_parallel_group()
 
     def score(self, groups: list[list[Row]], names: list[str]) -> list[list[dict[str, list[float]]]]:
-        """Forward-only: per micro-batch, per row, the named signals (``old_logprobs`` only)."""
-        unknown = [n for n in names if n != OLD_LOGPROBS]
+        """Forward-only: per micro-batch, per row, the named signals: the policy's own log-probs
+        (``old_logprobs``) and those of the frozen scorers this trainer built."""
+        unknown = [n for n in names if n != OLD_LOGPROBS and n not in self.scorers]
         if unknown:
-            raise ComponentError(f"megatron: cannot score {unknown} (only the policy's own log-probs)")
+            raise ComponentError(
+                f"megatron: cannot score {unknown}; this trainer scores {[OLD_LOGPROBS, *self.scorers]}"
+            )
         mbs = self._micro_batches(groups)
+        per_name = {
+            name: self._scorer_rows(self.scorers[name], mbs) for name in names if name in self.scorers
+        }
+        if OLD_LOGPROBS in names:
+            per_name[OLD_LOGPROBS] = self._policy_rows(mbs)
+        rows = [
+            [{name: per_name[name][m][i] for name in names} for i in range(len(mb.response_lengths))]
+            for m, mb in enumerate(mbs)
+        ]
+        if self.dp_size > 1:  # every micro-batch's rows, in the order of ``groups``
+            rows = interleave(gather_shares(rows, self._dp_group()))
+        return rows
+
+    def _scorer_rows(self, model: Any, mbs: list[MicroBatch]) -> list[list[list[float]]]:
+        """A frozen model's log-probs of each micro-batch's response tokens (one forward each: a
+        frozen model needs neither megatron's DDP nor its schedule, and PP is 1)."""
+        out = []
+        with torch.no_grad():
+            for mb in mbs:
+                logits = model(
+                    input_ids=mb.tokens,
+                    position_ids=mb.position_ids,
+                    attention_mask=None if self.cuda else _causal_mask(mb),
+                    **self._packed_kwargs(mb),
+                )
+                lp, _ = token_logprobs(gather_vocab(logits), mb, self.spec.temperature)
+                out.append([lp[i, :k].tolist() for i, k in enumerate(mb.response_lengths)])
+        return out
+
+    def _policy_rows(self, mbs: list[MicroBatch]) -> list[list[list[float]]]:
+        """The policy's own log-probs of each micro-batch's response tokens, through the schedule."""
         self.model.eval()
 
         def loss_func(mb: MicroBatch, n: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -365,10 +433,7 @@ class MegatronTrainer:
 
         with torch.no_grad():
             outs = self._run_schedule(mbs, loss_func, forward_only=True)
-        rows = [out["rows"] for out in outs]
-        if self.dp_size > 1:  # every micro-batch's rows, in the order of ``groups``
-            rows = interleave(gather_shares(rows, self._dp_group()))
-        return [[{OLD_LOGPROBS: row} for row in mb_rows] for mb_rows in rows]
+        return [out["rows"] for out in outs]
 
     def _sync(self) -> None:
         if self.cuda:
@@ -658,6 +723,8 @@ class MegatronTrainer:
                 grad = getattr(p, attr, None)
                 if isinstance(grad, torch.Tensor):
                     yield grad
+        for scorer in self.scorers.values():
+            yield from scorer.parameters()
         # megatron's DDP keeps its flat buffers in lists by these names (on CPU the model is the bare
         # GPTModel, whose ``buffers`` is nn.Module's method).
         ddp_buffers = [getattr(self.model, n, None) for n in ("buffers", "expert_parallel_buffers")]
@@ -768,3 +835,18 @@ def packed_seq_params(cls: Any, mb: MicroBatch) -> Any:
 
 def _prefixed(prefix: str, key: str) -> str:
     return key if key.startswith(prefix) else prefix + key
+
+
+def scorer_paths(spec: BackendSpec) -> dict[str, str]:
+    """The frozen models ``spec``'s objective reads, by score name: the reference policy (its own
+    path, else the policy's initial weights) and the teacher."""
+    out = {}
+    if REF_LOGPROBS in spec.scores:
+        out[REF_LOGPROBS] = spec.ref_model_path or spec.model_path
+    if TEACHER_LOGPROBS in spec.scores:
+        if not spec.teacher_model_path:
+            raise ComponentError(
+                "megatron: teacher_logprobs requested but the spec names no teacher_model_path"
+            )
+        out[TEACHER_LOGPROBS] = spec.teacher_model_path
+    return out
