@@ -40,14 +40,14 @@ def test_what_is_not_built_yet_is_refused_one_sentence_each():
     ok = refusals(_spec(), TrainSection(), MegatronOptions(), "local")
     assert ok == []
     problems = refusals(
-        _spec(scores=["ref_logprobs"], placement={"launcher": "ray"}, temperature=0.0),
+        _spec(scores=["ref_logprobs", "values"], placement={"launcher": "ray"}, temperature=0.0),
         TrainSection(lr_schedule="cosine"),
         MegatronOptions(num_ranks=2, micro_batch_tokens=512),
         "local",
     )
     text = " | ".join(problems)
-    assert len(problems) == 5, text  # the cosine schedule is built: not refused
-    assert "num_ranks is 2" in text and "DP = 2" in text and "['ref_logprobs']" in text
+    assert len(problems) == 5, text  # the cosine schedule and the reference scorer are built: not refused
+    assert "num_ranks is 2" in text and "DP = 2" in text and "['values']" in text
     assert "cosine" not in text
     assert "ray" in text and "THD" in text and "temperature" in text
     assert refusals(_spec(), TrainSection(), MegatronOptions(micro_batch_tokens=512), "te") == []
