@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "miles_megatron.json"
 STREAMED = "streaming"  # the marker's ``optimizer`` of a checkpoint written with optimizer streaming
+CPU_ADAMW = "cpu_adamw"  # ... of one written by the CPU trainer (torch's AdamW, per-rank files)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -646,6 +647,44 @@ class MegatronTrainer:
     def _streamed_dir(self, directory: str) -> str:
         return os.path.join(directory, "streaming", f"rank{self.rank:05d}")
 
+    def _cpu_dir(self, directory: str) -> str:
+        return os.path.join(directory, "cpu", f"rank{self.rank:05d}")
+
+    def _check_same_layout(self, marker: dict[str, Any], directory: str, what: str) -> None:
+        if marker.get("layout") != self.layout.megatron_kwargs() or marker.get("world") != self.layout.world:
+            raise ComponentError(
+                f"checkpoint {directory} was written under layout {marker.get('layout')} on "
+                f"{marker.get('world')} rank(s); this run has {self.layout.megatron_kwargs()} on "
+                f"{self.layout.world}: {what} resumes only on the same layout"
+            )
+
+    def _save_cpu(self, directory: str) -> None:
+        """The CPU trainer's rank state: its model shards (safetensors) and torch's AdamW state."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        tensors = {
+            k: v.detach().contiguous()
+            for k, v in self.gpt.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+        save_file(tensors, os.path.join(directory, "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
+
+    def _load_cpu(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        tensors = load_file(os.path.join(directory, "model.safetensors"))
+        result = self.gpt.load_state_dict(tensors, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise ComponentError(
+                f"checkpoint {directory} does not fit this model: missing {missing[:5]}, "
+                f"unexpected {list(result.unexpected_keys)[:5]}"
+            )
+        # weights_only: a checkpoint file never runs code when it is read.
+        self.optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True))
+
     def _write_marker(self, directory: str, optimizer: str) -> None:
         if self.rank == 0:
             with open(os.path.join(directory, CHECKPOINT_MARKER), "w") as f:
@@ -667,9 +706,11 @@ class MegatronTrainer:
             self.streaming.save(self._streamed_dir(directory))
             self._write_marker(directory, STREAMED)
             return
+        if not self.cuda:
+            self._save_cpu(self._cpu_dir(directory))
+            self._write_marker(directory, CPU_ADAMW)
+            return
         from megatron.core import dist_checkpointing
-
-        self._needs_cuda("save_checkpoint")
 
         target = os.path.join(directory, "dist")
         os.makedirs(target, exist_ok=True)
@@ -688,15 +729,7 @@ class MegatronTrainer:
                     f"megatron.optimizer_streaming is on but checkpoint {directory} was written without it "
                     f"(optimizer {written!r}); a streamed run resumes only from a streamed checkpoint"
                 )
-            if (
-                marker.get("layout") != self.layout.megatron_kwargs()
-                or marker.get("world") != self.layout.world
-            ):
-                raise ComponentError(
-                    f"checkpoint {directory} was written under layout {marker.get('layout')} on "
-                    f"{marker.get('world')} rank(s); this run has {self.layout.megatron_kwargs()} on "
-                    f"{self.layout.world}: streamed optimizer state resumes only on the same layout"
-                )
+            self._check_same_layout(marker, directory, "streamed optimizer state")
             self.streaming.load(self._streamed_dir(directory))
             self.optimizer_steps = int(marker["optimizer_steps"])
             return
@@ -705,9 +738,18 @@ class MegatronTrainer:
                 f"checkpoint {directory} was written with megatron.optimizer_streaming (its optimizer state is "
                 "bucket files, not megatron's); resume it with optimizer_streaming: true on the same layout"
             )
+        if (written == CPU_ADAMW) != (not self.cuda):
+            raise ComponentError(
+                f"checkpoint {directory} was written by the megatron trainer on "
+                f"{'CPU' if written == CPU_ADAMW else 'CUDA'} (optimizer {written!r}); this run is on "
+                f"{'CUDA' if self.cuda else 'CPU'}: resume it with the megatron.device it was written on"
+            )
+        if not self.cuda:
+            self._check_same_layout(marker, directory, "the CPU trainer's per-rank state")
+            self._load_cpu(self._cpu_dir(directory))
+            self.optimizer_steps = int(marker["optimizer_steps"])
+            return
         from megatron.core import dist_checkpointing
-
-        self._needs_cuda("load_checkpoint")
 
         loaded = dist_checkpointing.load(self._sharded_state(loading=True), os.path.join(directory, "dist"))
         self.gpt.load_state_dict(loaded["model"])
