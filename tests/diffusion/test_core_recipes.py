@@ -15,7 +15,7 @@ from miles.models.registry import builtin_models, resolve_model
 
 def test_the_diffusion_recipes_and_model_are_found_by_name() -> None:
     shipped = {r.name: r for r in list_recipes()}
-    for name in ("tiny_flow_grpo", "tiny_diffusion_nft"):
+    for name in ("tiny_flow_grpo", "tiny_diffusion_nft", "tiny_sft"):
         assert shipped[name].location.startswith("miles-diffusion ")
         assert find_recipe(name).display == f"{name}.yaml"
     assert load_recipe("tiny_flow_grpo").evidence.level == "fully gated"
@@ -60,7 +60,7 @@ def test_a_builtin_model_name_two_distributions_declare_is_refused(fake_site) ->
         (["engine.dtype=bfloat16"], "other than float32"),
         (["train.warmup_steps=3"], "constant learning rate"),
         (["data.path=prompts.jsonl"], "takes ids:N"),
-        (["mode=sft"], "diffusion SFT runs through the package's own driver"),
+        (["mode=sft"], "'flow_grpo' is a rollout objective"),
         (["rollout.n_samples_per_prompt=80"], "exceeds engine.max_batch_size 64"),
         (["algorithm.loss_options.beta=1.0"], "beta"),
         # The core's own capability check, on what the diffusion engine kind declares.

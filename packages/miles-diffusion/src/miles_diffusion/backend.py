@@ -8,6 +8,9 @@ one advantage from the core's estimator (``advantage: diffusion_grpo``). New wei
 through the recipe's transport as the model's full state dict (the colocated hand-off on one machine).
 Checkpoints hold the weights (a model directory), the optimizer and the RNG states.
 
+In ``mode: sft`` (``algorithm.loss: diffusion_sft``) it trains flow matching on the image samples the
+core's supervised stage hands it instead (:mod:`miles_diffusion.supervised`): no engines, no transport.
+
 FSDP2 through miles-fsdp is a later slice: this backend has one rank and no sharding.
 """
 
@@ -26,18 +29,21 @@ from miles.plugins import make_component
 from miles.types import Sample, TrainBatch
 from miles_diffusion.config import SECTION, DiffusionSection
 from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
-from miles_diffusion.losses import TrajectoryObjectiveLoss
+from miles_diffusion.image_data import IMAGE_SAMPLES
+from miles_diffusion.losses import ObjectiveLoss
 from miles_diffusion.model import FlowModel, load_pretrained, save_pretrained
 from miles_diffusion.objectives import (
     ObjectiveContext,
     Rollout,
     RolloutObjective,
+    SupervisedObjective,
     TrainerConfig,
     build_objective,
 )
 from miles_diffusion.payload import payload_of, stack
 from miles_diffusion.rollout import DiffusionRolloutOptions
 from miles_diffusion.sampler import SamplerConfig, step_log_prob
+from miles_diffusion.supervised import SupervisedTraining, held_out_images
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
@@ -47,9 +53,13 @@ WHO = "backend 'diffusion'"
 class DiffusionBackend:
     """``miles.interfaces.Backend`` for trajectory objectives (see the module docstring)."""
 
+    # mode: sft trains given images (miles_diffusion.supervised)
+    supervised_kinds = frozenset({IMAGE_SAMPLES})
+
     def __init__(self) -> None:
         self._model: FlowModel | None = None
         self._objective: RolloutObjective | None = None
+        self._supervised: SupervisedTraining | None = None  # mode: sft
         self._optimizer: torch.optim.Optimizer | None = None
         self._transport: Transport | None = None
         self._generator = torch.Generator()
@@ -68,10 +78,10 @@ class DiffusionBackend:
         if spec.scores or spec.critic is not None:
             raise ConfigError(f"{WHO} computes no per-token scores and trains no critic ({spec.scores})")
         loss = make_component("loss", spec.loss, spec.loss_options)
-        if not isinstance(loss, TrajectoryObjectiveLoss):
+        if not isinstance(loss, ObjectiveLoss):
             raise ConfigError(
-                f"{WHO} trains trajectory objectives (algorithm.loss: flow_grpo or diffusion_nft); "
-                f"{spec.loss!r} is a token loss"
+                f"{WHO} trains diffusion objectives (algorithm.loss: flow_grpo, diffusion_nft, or diffusion_sft "
+                f"with mode: sft); {spec.loss!r} is a token loss"
             )
         run = spec.config or {}
         rollout = run.get("rollout", {})
@@ -94,16 +104,21 @@ class DiffusionBackend:
             eps=train.eps,
         )
         objective = build_objective(loss.config, ObjectiveContext(model, trainer, self._sampler))
-        if not isinstance(objective, RolloutObjective):
-            raise ConfigError(f"{WHO}: objective {loss.objective!r} trains on given images, not on rollouts")
+        if isinstance(objective, SupervisedObjective):  # mode: sft, on the batches of an image source
+            self._supervised = SupervisedTraining(objective, model, held_out_images(run, WHO), WHO)
+        elif not isinstance(objective, RolloutObjective):
+            raise ConfigError(f"{WHO}: objective {loss.objective!r} trains neither on rollouts nor on images")
         optimizer = getattr(objective, "optimizer", None)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"{WHO}: objective {loss.objective!r} keeps no optimizer the backend can checkpoint"
             )
-        self._model, self._objective, self._optimizer = model, objective, optimizer
+        self._model, self._optimizer = model, optimizer
+        self._objective = objective if isinstance(objective, RolloutObjective) else None
         self._generator = torch.Generator().manual_seed(spec.seed)
         self._engine_urls = list(spec.engine_urls)
+        if self._supervised is not None:  # mode: sft: no engines, no weights to send
+            return
         transport: Transport = make_component("transport", spec.transport, spec.transport_options)
         transport.connect(self._engine_urls, rank=0, world_size=1, device="cpu")
         self._transport = transport
@@ -111,6 +126,8 @@ class DiffusionBackend:
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        if self._supervised is not None:
+            return self._supervised.train_step(batch.samples, self._generator)
         model, objective = self._ready()
         samples = batch.samples
         payloads = [payload_of(s, WHO) for s in samples]
@@ -162,7 +179,7 @@ class DiffusionBackend:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, directory: str) -> None:
-        model, _ = self._ready()
+        model = self._policy()
         assert self._optimizer is not None
         os.makedirs(directory, exist_ok=True)
         save_pretrained(model, os.path.join(directory, MODEL_DIR))
@@ -174,7 +191,7 @@ class DiffusionBackend:
         torch.save(state, os.path.join(directory, STATE_FILE))
 
     def load_checkpoint(self, directory: str) -> None:
-        model, _ = self._ready()
+        model = self._policy()
         assert self._optimizer is not None
         state_path = os.path.join(directory, STATE_FILE)
         if not os.path.isfile(state_path):
@@ -192,7 +209,7 @@ class DiffusionBackend:
 
     def export_hf(self, directory: str) -> None:
         """The policy as a model directory (what the engine and ``model.path`` load)."""
-        model, _ = self._ready()
+        model = self._policy()
         save_pretrained(model, directory)
 
     # ------------------------------------------------------------------ placement
@@ -216,9 +233,15 @@ class DiffusionBackend:
     # ------------------------------------------------------------------ helpers
 
     def _ready(self) -> tuple[FlowModel, RolloutObjective]:
-        if self._model is None or self._objective is None:
+        model = self._policy()
+        if self._objective is None:
+            raise RuntimeError(f"{WHO}: this run trains given images (mode: sft), not rollouts")
+        return model, self._objective
+
+    def _policy(self) -> FlowModel:
+        if self._model is None:
             raise RuntimeError(f"{WHO}: setup() has not run")
-        return self._model, self._objective
+        return self._model
 
 
 def _one(row: list[float], sample: Sample) -> float:

@@ -1,10 +1,10 @@
 """How miles-diffusion joins a run: the ``diffusion:`` recipe section and the recipe checks.
 
-Its components are entry points (pyproject): the ``diffusion`` engine kind, rollout, data source
-(``diffusion_prompts``) and backend, the ``diffusion_grpo`` advantage, the ``flow_grpo`` and
-``diffusion_nft`` objectives (as losses), the image rewards, the ``tiny-flow-unet`` built-in model
-and the recipes of ``miles_diffusion/run_recipes``. The checks here refuse, before anything starts
-and with one line each, what this slice cannot run.
+Its components are entry points (pyproject): the ``diffusion`` engine kind, rollout, data sources
+(``diffusion_prompts``; ``coloured_shapes`` for ``mode: sft``) and backend, the ``diffusion_grpo``
+advantage, the ``flow_grpo``, ``diffusion_nft`` and ``diffusion_sft`` objectives (as losses), the
+image rewards, the ``tiny-flow-unet`` built-in model and the recipes of ``miles_diffusion/run_recipes``.
+The checks here refuse, before anything starts and with one line each, what this slice cannot run.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 
 from miles import hookimpl
 from miles.config.sections import ConfigSection
-from miles.errors import ConfigError
 
 
 @hookimpl
@@ -33,12 +32,11 @@ def miles_config_sections() -> list[ConfigSection]:
 
 @hookimpl
 def miles_configure(config: Any) -> None:
-    # Supervised mode skips the component checks (no engines), so this one is made here.
-    if config.backend == "diffusion" and config.mode != "rl":
-        raise ConfigError(
-            "backend 'diffusion' trains on rollouts (mode: rl) in this slice; diffusion SFT runs through the "
-            "package's own driver: python -m miles_diffusion.train tiny_sft"
-        )
+    # Supervised mode skips the component checks (no engines, no miles_check_config): its checks run here.
+    if config.mode == "sft":
+        from miles_diffusion.sft_checks import check_supervised_recipe
+
+        check_supervised_recipe(config)
 
 
 @hookimpl

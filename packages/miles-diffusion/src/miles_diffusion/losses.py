@@ -1,9 +1,11 @@
-"""The trajectory objectives as core losses (``algorithm.loss: flow_grpo`` / ``diffusion_nft``).
+"""The package's objectives as core losses (``algorithm.loss: flow_grpo`` / ``diffusion_nft``, and
+``diffusion_sft`` for ``mode: sft``).
 
 A recipe names its objective where every recipe does (``algorithm.loss`` and ``loss_options``), and
-the core resolves it like any loss (a policy loss, options validated against its model with the
-recipe's file and line). What it resolves to is the objective's config: the diffusion backend builds
-the objective from it (``miles_diffusion.objectives``) and trains whole denoising trajectories with it.
+the core resolves it like any loss (a policy loss, or a supervised one for ``diffusion_sft``, options
+validated against its model with the recipe's file and line). What it resolves to is the objective's
+config: the diffusion backend builds the objective from it (``miles_diffusion.objectives``) and trains
+whole denoising trajectories (or given images) with it.
 It is not a token loss: a token backend that calls it gets one error saying so, and the recipe check
 (``miles_diffusion.hooks``) refuses that pairing before anything starts.
 """
@@ -22,6 +24,7 @@ from miles.interfaces import LossInputs, LossOutput
 from miles_diffusion.flow_grpo import FlowGRPOConfig
 from miles_diffusion.nft import DiffusionNFTConfig
 from miles_diffusion.objectives import ObjectiveConfig, objective_config
+from miles_diffusion.sft import SFTConfig
 
 
 def options_model(config_type: type, name: str) -> type[BaseModel]:
@@ -33,10 +36,10 @@ def options_model(config_type: type, name: str) -> type[BaseModel]:
     return create_model(f"{name}Options", __base__=ComponentOptions, __module__=__name__, **specs)
 
 
-class TrajectoryObjectiveLoss:
-    """The config of one trajectory objective, resolved as a policy loss (see the module docstring)."""
+class ObjectiveLoss:
+    """The config of one of the package's objectives, resolved as a core loss (see the module docstring)."""
 
-    kind = "policy"
+    kind: ClassVar[str]
     requires: frozenset[str] = frozenset()
     objective: ClassVar[str]
 
@@ -48,9 +51,21 @@ class TrajectoryObjectiveLoss:
 
     def __call__(self, inputs: LossInputs) -> LossOutput:
         raise ComponentError(
-            f"loss {self.objective!r} is a diffusion trajectory objective: only the diffusion backend "
+            f"loss {self.objective!r} is a diffusion objective: only the diffusion backend "
             "(backend: diffusion) trains it; a token backend has nothing for it to score"
         )
+
+
+class TrajectoryObjectiveLoss(ObjectiveLoss):
+    """A trajectory objective (trains on rollouts), resolved as a policy loss."""
+
+    kind = "policy"
+
+
+class SupervisedObjectiveLoss(ObjectiveLoss):
+    """An objective on given images (``mode: sft``), resolved as a supervised loss."""
+
+    kind = "supervised"
 
 
 class FlowGRPOLoss(TrajectoryObjectiveLoss):
@@ -65,3 +80,10 @@ class DiffusionNFTLoss(TrajectoryObjectiveLoss):
 
     objective = DiffusionNFTConfig.name
     Options = options_model(DiffusionNFTConfig, "DiffusionNFT")
+
+
+class DiffusionSFTLoss(SupervisedObjectiveLoss):
+    """``diffusion_sft``: flow matching on given images (``mode: sft``; the package objective ``sft``)."""
+
+    objective = SFTConfig.name
+    Options = options_model(SFTConfig, "DiffusionSFT")
