@@ -8,6 +8,14 @@ one advantage from the core's estimator (``advantage: diffusion_grpo``). New wei
 through the recipe's transport as the model's full state dict (the colocated hand-off on one machine).
 Checkpoints hold the weights (a model directory), the optimizer and the RNG states.
 
+With a ``lora`` section (the core's: rank, alpha, dropout, target_modules) the backend trains a peft
+LoRA adapter on the denoiser instead (:mod:`miles_diffusion.lora`): the base is frozen, AdamW holds
+the adapter's parameters only, every weight update sends the adapter's tensors only, and the engine
+merges them into its base weights on arrival. The engine gets the adapter's configuration once,
+before the first rollout, from the initial adapter (B = 0) written under ``<run dir>/lora/``.
+Checkpoints then hold the adapter (a peft directory) and a digest of the base it belongs to; the
+export is a peft adapter directory that ``PeftModel.from_pretrained`` loads onto the base.
+
 In ``mode: sft`` (``algorithm.loss: diffusion_sft``) it trains flow matching on the image samples the
 core's supervised stage hands it instead (:mod:`miles_diffusion.supervised`): no engines, no transport.
 
@@ -17,21 +25,25 @@ FSDP2 through miles-fsdp is a later slice: this backend has one rank and no shar
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
+import tempfile
+from typing import Any
 
 import torch
 
-from miles.config.schema import TrainSection
+from miles.config.schema import LoraSection, TrainSection
 from miles.errors import ConfigError
 from miles.interfaces import BackendSpec, Transport, TransportStats
 from miles.plugins import make_component
 from miles.types import Sample, TrainBatch
+from miles_diffusion import lora as lora_mod
 from miles_diffusion.config import SECTION, DiffusionSection
 from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
 from miles_diffusion.image_data import IMAGE_SAMPLES
 from miles_diffusion.losses import ObjectiveLoss
-from miles_diffusion.model import FlowModel, load_pretrained, save_pretrained
+from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, save_pretrained
 from miles_diffusion.objectives import (
     ObjectiveContext,
     Rollout,
@@ -47,6 +59,7 @@ from miles_diffusion.supervised import SupervisedTraining, held_out_images
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
 WHO = "backend 'diffusion'"
 
 
@@ -67,6 +80,10 @@ class DiffusionBackend:
         self._group_size = 1
         self._engine_urls: list[str] = []
         self._stack = contextlib.ExitStack()
+        self._lora: LoraSection | None = None
+        self._peft: Any = None  # the peft model around the policy (LoRA only)
+        self._base_digest = ""
+        self._run_dir = ""
 
     # ------------------------------------------------------------------ setup
 
@@ -94,6 +111,13 @@ class DiffusionBackend:
         model = load_pretrained(spec.model_path)
         if section.deterministic:
             check_attention_backends(model)
+        self._lora = lora_mod.section(run)
+        if self._lora is not None:
+            # peft injects the adapter into ``model`` itself: the objectives train it as before,
+            # and only the adapter's parameters require gradients (the optimizer takes only those).
+            self._peft = lora_mod.wrap(model, self._lora, spec.model_path)
+            self._base_digest = _digest(spec.model_path)
+            self._run_dir = _run_dir(run)
         trainer = TrainerConfig(
             lr=train.lr,
             weight_decay=train.weight_decay,
@@ -122,6 +146,25 @@ class DiffusionBackend:
         transport: Transport = make_component("transport", spec.transport, spec.transport_options)
         transport.connect(self._engine_urls, rank=0, world_size=1, device="cpu")
         self._transport = transport
+        if self._lora is not None:
+            self._serve_adapter(transport)
+
+    def _serve_adapter(self, transport: Transport) -> None:
+        """LoRA: the engines merge the initial adapter (B = 0: the base, unchanged) and learn its shape.
+
+        Its configuration (rank, alpha, modules) reaches each engine once, as a peft directory through
+        ``/load_lora_adapter``; every later update carries only the factors."""
+        from miles.engines.client import SyncEngineClient
+
+        assert self._lora is not None
+        carry = getattr(transport, "carry_adapter", None)
+        if callable(carry):
+            carry(self._lora.name)
+        directory = os.path.join(self._run_dir, "lora", f"{self._lora.name}-initial")
+        lora_mod.save_adapter(self._peft, directory)
+        for url in self._engine_urls:
+            with SyncEngineClient(url) as client:
+                client.load_lora_adapter(self._lora.name, directory)
 
     # ------------------------------------------------------------------ training
 
@@ -168,6 +211,8 @@ class DiffusionBackend:
         model, _ = self._ready()
         assert self._transport is not None
         with torch.no_grad():
+            if self._lora is not None:  # the adapter alone; the engine merges it into its base
+                return self._transport.send(lora_mod.adapter_tensors(self._peft, self._lora.name), version)
             return self._transport.send(iter(model.state_dict().items()), version)
 
     def reconnect_transport(self) -> None:
@@ -182,12 +227,16 @@ class DiffusionBackend:
         model = self._policy()
         assert self._optimizer is not None
         os.makedirs(directory, exist_ok=True)
-        save_pretrained(model, os.path.join(directory, MODEL_DIR))
-        state = {
+        state: dict[str, Any] = {
             "optimizer": self._optimizer.state_dict(),
             "generator": self._generator.get_state(),
             "torch_rng": torch.get_rng_state(),
         }
+        if self._lora is not None:
+            lora_mod.save_adapter(self._peft, os.path.join(directory, ADAPTER_DIR))
+            state["lora_base_digest"] = self._base_digest
+        else:
+            save_pretrained(model, os.path.join(directory, MODEL_DIR))
         torch.save(state, os.path.join(directory, STATE_FILE))
 
     def load_checkpoint(self, directory: str) -> None:
@@ -198,18 +247,46 @@ class DiffusionBackend:
             raise ConfigError(
                 f"{WHO}: {directory} holds no {STATE_FILE}; it is not this backend's checkpoint"
             )
-        restored = load_pretrained(os.path.join(directory, MODEL_DIR))
-        if restored.config != model.config:
-            raise ConfigError(f"{WHO}: the checkpoint holds a model of another shape ({restored.config})")
-        model.load_state_dict(restored.state_dict())
         state = torch.load(state_path, weights_only=True)  # tensors and plain data only, never objects
+        self._load_weights(model, directory, state)
         self._optimizer.load_state_dict(state["optimizer"])
         self._generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
 
+    def _load_weights(self, model: FlowModel, directory: str, state: dict[str, Any]) -> None:
+        """The checkpoint's weights, refused whole if it is of the other kind (LoRA / full) or, for an
+        adapter, of another base (the adapter's delta means nothing on other weights)."""
+        has_adapter = os.path.isdir(os.path.join(directory, ADAPTER_DIR))
+        if self._lora is None:
+            if has_adapter:
+                raise ConfigError(
+                    f"{WHO}: {directory} holds a LoRA adapter checkpoint; resume it with its lora section"
+                )
+            restored = load_pretrained(os.path.join(directory, MODEL_DIR))
+            if restored.config != model.config:
+                raise ConfigError(f"{WHO}: the checkpoint holds a model of another shape ({restored.config})")
+            model.load_state_dict(restored.state_dict())
+            return
+        if not has_adapter:
+            raise ConfigError(
+                f"{WHO}: {directory} holds full weights, not a LoRA adapter; resume it without a lora section"
+            )
+        saved = str(state.get("lora_base_digest", ""))
+        if saved != self._base_digest:
+            raise ConfigError(
+                f"{WHO}: the checkpoint's adapter was trained on a base with digest {saved[:16]}, this run's "
+                f"base (model.path) has {self._base_digest[:16]}; resume on the same base"
+            )
+        lora_mod.load_adapter(self._peft, os.path.join(directory, ADAPTER_DIR))
+
     def export_hf(self, directory: str) -> None:
-        """The policy as a model directory (what the engine and ``model.path`` load)."""
+        """The policy as a model directory (what the engine and ``model.path`` load); under LoRA a peft
+        adapter directory (``PeftModel.from_pretrained(base, directory)``; the engine's
+        ``/load_lora_adapter`` merges it)."""
         model = self._policy()
+        if self._lora is not None:
+            lora_mod.save_adapter(self._peft, directory)
+            return
         save_pretrained(model, directory)
 
     # ------------------------------------------------------------------ placement
@@ -242,6 +319,23 @@ class DiffusionBackend:
         if self._model is None:
             raise RuntimeError(f"{WHO}: setup() has not run")
         return self._model
+
+
+def _digest(model_path: str) -> str:
+    """sha256 of the base's weights file: a LoRA checkpoint belongs to these exact weights."""
+    h = hashlib.sha256()
+    with open(os.path.join(model_path, WEIGHTS_FILE), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _run_dir(config: dict[str, Any]) -> str:
+    """Where the initial adapter goes: the run's directory (a temporary one without a run)."""
+    run = config.get("run") or {}
+    if run.get("output_dir") and run.get("name"):
+        return os.path.join(str(run["output_dir"]), str(run["name"]))
+    return tempfile.mkdtemp(prefix="miles-diffusion-lora-")
 
 
 def _one(row: list[float], sample: Sample) -> float:

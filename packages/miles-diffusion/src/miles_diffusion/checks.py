@@ -4,7 +4,8 @@ The three diffusion components go together (engine kind, rollout, backend), and 
 objective needs the diffusion backend. Settings the token path has and this one would silently
 ignore (sampling temperature, token budgets, corrections, micro-batches, LR schedules) are refused
 when the recipe sets them, and so are the run shapes not wired yet (fully asynchronous schedule,
-evaluation, LoRA, distillation, warm start, Ray placement, a device other than the CPU).
+evaluation, distillation, warm start, Ray placement, a device other than the CPU). A ``lora`` section
+is checked against the denoiser (built on the meta device: no weights load) before the engines start.
 """
 
 from __future__ import annotations
@@ -59,6 +60,26 @@ def check_recipe(config: Any) -> None:
         )
     _refuse_unwired(config)
     _refuse_token_settings(config)
+    if config.lora is not None:
+        _check_lora(config)
+
+
+def _check_lora(config: Any) -> None:
+    """Target modules the denoiser lacks (or cannot merge), and the multi-adapter form, refused now."""
+    import torch
+
+    from miles.models.registry import resolve_model
+    from miles_diffusion.lora import check_targets
+    from miles_diffusion.model import FlowModel, read_model_config
+
+    path = resolve_model(config.model.path)
+    try:
+        shape = read_model_config(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    with torch.device("meta"):
+        model = FlowModel(shape)
+    check_targets(model, config.lora)
 
 
 def _refuse_unwired(config: Any) -> None:
@@ -71,7 +92,6 @@ def _refuse_unwired(config: Any) -> None:
             config.eval is not None,
             "eval (the evaluator generates tokens; the rollout logs rollout/reward_mean)",
         ),
-        (config.lora is not None, "lora (LoRA merged on arrival is a later slice)"),
         (config.distillation is not None, "distillation"),
         (config.warm_start is not None, "warm_start"),
         (config.placement.launcher != "local", "placement.launcher 'ray' (the backend is one local process)"),
