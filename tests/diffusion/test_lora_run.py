@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,22 +22,50 @@ from miles_diffusion.model import load_pretrained
 pytestmark = pytest.mark.slow
 
 
-def test_a_lora_flow_grpo_run_sends_only_the_adapter(tmp_path: Path) -> None:
+# What a resumed step must reproduce exactly (wall-clock times and process counters aside).
+REPEATED = (
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "train/loss",
+    "train/grad_norm",
+    "train/clip_fraction",
+    "train/rollout_log_prob_mean",
+    "train/logprob_mismatch_max",
+    "weight_sync/bytes",
+    "engine/weight_version",
+)
+
+
+def _miles(*args: str) -> Any:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path, Any]:
+    """Two steps of the recipe, a checkpoint after each: (the CLI arguments, the run directory, the result)."""
+    out = tmp_path_factory.mktemp("lora-run")
     overrides = [
-        f"run.output_dir={tmp_path}",
+        f"run.output_dir={out}",
         "run.num_steps=2",
-        "run.save_every=null",
+        "run.save_every=1",
         "tracking.console=false",
         "engine.options.torch_threads=1",
         "diffusion.torch_threads=1",
     ]
-    result = CliRunner().invoke(
-        cli, ["run", "tiny_flow_grpo_lora", *(a for o in overrides for a in ("--set", o))]
-    )
-    assert result.exit_code == 0, result.output
+    args = ["run", "tiny_flow_grpo_lora", *(a for o in overrides for a in ("--set", o))]
+    return args, out / "tiny_flow_grpo_lora", _miles(*args)
+
+
+def test_a_lora_flow_grpo_run_sends_only_the_adapter(lora_run: tuple[list[str], Path, Any]) -> None:
+    _, run_dir, result = lora_run
     assert "recipe tiny_flow_grpo_lora: evidence level" in result.stderr
-    run_dir = tmp_path / "tiny_flow_grpo_lora"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run_dir)
     assert [r["engine/weight_version"] for r in rows] == [1, 2]
 
     # The adapter's size, from the recipe's lora section on the base, independently of the run.
@@ -69,3 +98,18 @@ def test_a_lora_flow_grpo_run_sends_only_the_adapter(tmp_path: Path) -> None:
             loaded(x, torch.tensor([0.5]), torch.tensor([1])),
             load_pretrained(base_path)(x, torch.tensor([0.5]), torch.tensor([1])),
         )
+
+
+def test_a_lora_run_resumes_its_adapter_exactly(lora_run: tuple[list[str], Path, Any]) -> None:
+    """From step 1's checkpoint: the engine restarts with the initial adapter, the checkpoint's adapter
+    is sent and merged before it generates, and step 1 is redone bit for bit."""
+    args, run_dir, _ = lora_run
+    before = _rows(run_dir)
+    assert (
+        run_dir / "checkpoints" / "step_000001" / "trainer" / "adapter" / "adapter_model.safetensors"
+    ).is_file()
+    (run_dir / "checkpoints" / "latest").write_text("step_000001")
+    _miles(*args, "--resume")
+    after = _rows(run_dir)
+    assert [r["step"] for r in after] == [0, 1]
+    assert {k: after[1][k] for k in REPEATED} == {k: before[1][k] for k in REPEATED}
