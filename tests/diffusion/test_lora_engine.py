@@ -105,3 +105,14 @@ def test_the_engine_samples_with_the_trained_adapter_merged(engine) -> None:
     )  # the adapter changed sampling
     gap = (_rescored(policy, second) - second.trajectory.log_probs).abs().max()
     assert gap < 1e-5, f"engine (merged) vs trainer (base + adapter) log-prob gap {gap}"
+
+    # The fleet's catch-up of a restarted engine (miles.driver.fleet): the version, then the exported
+    # adapter by name. From the base (unloaded here, as a restarted engine starts), it serves the trainer's.
+    with SyncEngineClient(url) as client:
+        client.unload_lora_adapter(LORA.name)
+        assert torch.equal(_generate(url, prompts, seeds).trajectory.log_probs, first.trajectory.log_probs)
+        client.update_weight_version(7)
+        client.load_lora_adapter(LORA.name, str(lora_mod.save_adapter(peft_model, root / "export")))
+    caught_up = _generate(url, prompts, seeds)
+    assert caught_up.weight_version == 7
+    assert torch.equal(caught_up.trajectory.log_probs, second.trajectory.log_probs)
