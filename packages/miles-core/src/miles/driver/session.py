@@ -23,7 +23,7 @@ from miles.config.schema import MilesConfig
 from miles.driver.fleet import EngineFleet, engine_fleet
 from miles.driver.generation import RolloutStage, SyncGeneration
 from miles.driver.hooks import Hooks
-from miles.driver.interrupts import StopRequest
+from miles.driver.interrupts import SignalInterrupt, StopRequest
 from miles.driver.rollout_services import fleet_dp_sizes, started_services
 from miles.driver.services import (
     describe_update,
@@ -113,6 +113,7 @@ class Session:
         self.status = "failed"  # what the marker says if the run ends any other way than below
         self.checkpoint = start.checkpoint
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(_quiet_hard_stop)
         # Held while the engines' weights change; a shared-engine evaluation holds it while it measures.
         self.weights_lock = threading.Lock()
         self.console: Any = None
@@ -446,6 +447,16 @@ def _tokenizer(model_path: str) -> Any:
 
 def _is_checkpoint_of(checkpoint: str | None, step: int) -> bool:
     return checkpoint is not None and RunDir.read_state(checkpoint).step == step
+
+
+def _quiet_hard_stop(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: a task a hard stop (the second SIGINT/SIGTERM) interrupted
+    keeps that interrupt as its exception, and asyncio would print it as "never retrieved" when
+    the task is collected, after the stop was already reported in one line. Everything else goes
+    to asyncio's default handler."""
+    if isinstance(context.get("exception"), SignalInterrupt):
+        return
+    loop.default_exception_handler(context)
 
 
 def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
