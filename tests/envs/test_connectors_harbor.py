@@ -35,8 +35,8 @@ IMAGE = "localhost/miles-harbor-test:latest"
 CONTAINERS_CONF = str(HERE / "containers.conf")
 
 
-def _podman_env() -> dict[str, str]:
-    return {**os.environ, "CONTAINERS_CONF": CONTAINERS_CONF}
+def _podman_env(conf: str = CONTAINERS_CONF) -> dict[str, str]:
+    return {**os.environ, "CONTAINERS_CONF": conf}
 
 
 def _libraries(binary: str) -> list[str]:
@@ -79,6 +79,37 @@ def image(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def containers_conf(image, tmp_path_factory) -> str:
+    """The podman settings under which a container of ``image`` starts here: ours, else ours with
+    the runc runtime (crun refuses hosts whose cgroups are in hybrid v1/v2 mode, runc runs there);
+    the test skips, with podman's error, where neither starts one."""
+    podman = shutil.which("podman")
+    assert podman is not None  # the image fixture skipped otherwise
+    candidates = [CONTAINERS_CONF]
+    if shutil.which("runc") is not None:
+        with_runc = tmp_path_factory.mktemp("podman") / "containers.conf"
+        with_runc.write_text(Path(CONTAINERS_CONF).read_text() + '\n[engine]\nruntime = "runc"\n')
+        candidates.append(str(with_runc))
+    errors = []
+    for conf in candidates:
+        done = subprocess.run(
+            [podman, "run", "--rm", "--network=none", image, "true"],
+            env=_podman_env(conf),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode == 0:
+            return conf
+        errors.append(
+            done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        )
+    pytest.skip(
+        f"podman cannot start a container on this machine ({'; '.join(errors)}); apt-get install runc"
+    )
+
+
+@pytest.fixture(scope="module")
 def harbor() -> str:
     python = venv_python("harbor", HERE / "requirements.txt", (3, 12))
     return str(python.parent / "harbor")
@@ -115,12 +146,12 @@ def service(image, harbor, shell_model, tmp_path_factory) -> Iterator[Any]:
             yield running
 
 
-def _options(harbor: str, **extra: Any) -> dict[str, Any]:
+def _options(harbor: str, conf: str, **extra: Any) -> dict[str, Any]:
     return {
         "harbor": harbor,
         "environment": "podman",
         "extra_compose": [str(HERE / "no-network.yaml")],
-        "env": {"CONTAINERS_CONF": CONTAINERS_CONF},
+        "env": {"CONTAINERS_CONF": conf},
         **extra,
     }
 
@@ -159,13 +190,13 @@ def _rollout(service: Any, tasks: Path, options: dict[str, Any], *, n: int = 1) 
 
 @pytest.mark.slow
 def test_a_harbor_trial_is_the_sessions_trajectory_and_harbors_verifier_rewards_it(
-    service: Any, harbor: str, shell_model: Any
+    service: Any, harbor: str, shell_model: Any, containers_conf: str
 ) -> None:
     from miles.types import Status
 
     family, tokenizer, _ = shell_model
     script = script_shell_episode(family, tokenizer)
-    [group] = _rollout(service, TASKS / "hello-file", _options(harbor), n=2)
+    [group] = _rollout(service, TASKS / "hello-file", _options(harbor, containers_conf), n=2)
     assert len(group.samples) == 2
     for sample in group.samples:
         assert sample.status is Status.COMPLETED, sample.metadata
@@ -184,7 +215,7 @@ def test_a_harbor_trial_is_the_sessions_trajectory_and_harbors_verifier_rewards_
 
 @pytest.mark.slow
 def test_an_environment_that_cannot_be_built_is_sandbox_died(
-    service: Any, harbor: str, tmp_path: Path
+    service: Any, harbor: str, tmp_path: Path, containers_conf: str
 ) -> None:
     from miles.types import Status
 
@@ -192,7 +223,7 @@ def test_an_environment_that_cannot_be_built_is_sandbox_died(
     shutil.copytree(TASKS / "hello-file", task)
     # A build step that fails: Harbor cannot start the environment.
     (task / "environment" / "Dockerfile").write_text(f"FROM {IMAGE}\nRUN exit 3\n")
-    [group] = _rollout(service, task, _options(harbor))
+    [group] = _rollout(service, task, _options(harbor, containers_conf))
     [sample] = group.samples
     assert sample.status is Status.ABORTED and sample.reward is None  # retried, never scored as 0
     assert sample.metadata["exit_reason"] == "sandbox_died"
