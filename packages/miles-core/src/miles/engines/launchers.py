@@ -267,10 +267,10 @@ class _ProcessLauncher(abc.ABC):
                 argv += [flag, str(spec.options[key])]
         return argv
 
+    @abc.abstractmethod
     def command(self, spec: EngineSpec, port: int) -> list[str]:
-        """The command line of the engine process serving ``spec`` on ``port`` (kinds that start
-        processes with :meth:`start_processes` define it)."""
-        raise NotImplementedError(f"{type(self).__name__} builds no engine command")
+        """The command line of the engine process serving ``spec`` on ``port`` (what
+        :meth:`start_processes` and the Ray engine actor run; usually :meth:`module_command`)."""
 
     def start_processes(
         self, specs: list[EngineSpec], log_dir: str, timeout: float, log_name: str = "engine"
