@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load as _load_tensors
 from safetensors.torch import save as _save_tensors
 
+from miles.engines.embedded.weights import SAFETENSORS_DTYPES
 from miles_diffusion.sampler import SamplerConfig, Trajectory
 
 MEDIA_TYPE = "application/vnd.miles.safetensors"
@@ -44,19 +45,8 @@ _MAX_HEADER = 100 * 1024 * 1024
 MAX_FRAME_BYTES = 1 << 40
 """Largest frame a reader accepts (a corrupt length must not become a terabyte allocation)."""
 
-# The safetensors dtype names this format may carry.
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# The safetensors dtype names this format may carry: the engine's own table.
+_DTYPES = SAFETENSORS_DTYPES
 _TENSORS = ("latents", "log_probs", "timesteps", "prompts", "seeds")
 
 

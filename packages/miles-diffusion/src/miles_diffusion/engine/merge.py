@@ -17,14 +17,13 @@ engine); weight updates then carry only the factors, named ``<module>.lora_A.<ad
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from miles.engines.embedded.lora import LoraError, read_peft_dir
+from miles.engines.embedded.lora import LoraError, adapter_scale, read_peft_dir
 from miles_diffusion.lora import MERGEABLE, PEFT_PREFIX, split_name, tensor_name
 
 
@@ -82,11 +81,7 @@ class AdapterMerger:
         if not name or any(c in name for c in "/. \t\n"):
             raise LoraError(f"lora_name {name!r} is not a valid adapter name (no dots, slashes or spaces)")
         config, raw = read_peft_dir(path)
-        rank = int(config.get("r", 0))
-        if rank <= 0:
-            raise LoraError(f"adapter {path!r} has rank r={rank}; it must be > 0")
-        alpha = float(config.get("lora_alpha", rank))
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        rank, scale = adapter_scale(config, path)
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in raw.items():
             parts = split_name(key.removeprefix(PEFT_PREFIX))

@@ -67,6 +67,15 @@ def tensor_name(module: str, factor: str, adapter: str) -> str:
     return f"{module}.lora_{factor}.{adapter}.weight"
 
 
+def adapter_scale(config: dict[str, Any], path: str) -> tuple[int, float]:
+    """``(rank, scale)`` of a peft adapter config: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
+    rank = int(config.get("r", 0))
+    if rank <= 0:
+        raise LoraError(f"adapter {path!r} has rank r={rank}; it must be > 0")
+    alpha = float(config.get("lora_alpha", rank))
+    return rank, alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
 def read_peft_dir(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(adapter_config, {module path: {"A": tensor, "B": tensor}})`` of a peft adapter directory."""
     from safetensors.torch import load_file
@@ -121,11 +130,7 @@ class LoraServing:
         if not name or any(c in name for c in "/ \t\n"):
             raise LoraError(f"lora_name {name!r} is not a valid adapter name")
         config, raw = read_peft_dir(path)
-        rank = int(config.get("r", 0))
-        if rank <= 0:
-            raise LoraError(f"adapter {path!r} has rank r={rank}; it must be > 0")
-        alpha = float(config.get("lora_alpha", rank))
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        rank, scale = adapter_scale(config, path)
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in raw.items():
             module, factor = _split_key(key, path)

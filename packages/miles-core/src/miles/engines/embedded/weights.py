@@ -83,7 +83,8 @@ from miles.engines.weight_group import WeightGroup
 
 log = logging.getLogger("miles.engines.embedded")
 
-_SAFETENSORS_DTYPES = {
+# safetensors' dtype codes (a file header's "dtype" field) and the torch dtypes they name.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -541,11 +542,11 @@ class WeightUpdater:
                     for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                         piece = f.get_slice(key)
                         code = piece.get_dtype()
-                        if code not in _SAFETENSORS_DTYPES:
+                        if code not in SAFETENSORS_DTYPES:
                             raise WeightUpdateError(
                                 f"tensor {key!r} in {path.name!r} has unsupported dtype {code}"
                             )
-                        specs.append((key, list(piece.get_shape()), _SAFETENSORS_DTYPES[code]))
+                        specs.append((key, list(piece.get_shape()), SAFETENSORS_DTYPES[code]))
             except WeightUpdateError:
                 raise
             except Exception as exc:
