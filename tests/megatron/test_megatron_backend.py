@@ -53,6 +53,16 @@ def test_what_is_not_built_yet_is_refused_one_sentence_each():
     assert refusals(_spec(), TrainSection(), MegatronOptions(micro_batch_tokens=512), "te") == []
 
 
+def test_core_attention_is_refused_where_it_cannot_apply():
+    assert refusals(_spec(), TrainSection(), MegatronOptions(core_attention="megatron"), "local") == []
+    te = refusals(_spec(), TrainSection(), MegatronOptions(core_attention="sdpa"), "te")
+    assert len(te) == 1 and "layer spec is te" in te[0]
+    cpu = refusals(_spec(), TrainSection(), MegatronOptions(device="cpu", core_attention="megatron"), "local")
+    assert len(cpu) == 1 and "cannot run with megatron.device cpu" in cpu[0]
+    with pytest.raises(ConfigError, match="megatron backend options are invalid"):
+        validate_options({"megatron": {"core_attention": "flash"}})
+
+
 def test_layer_spec_is_local_without_transformer_engine():
     pytest.importorskip("megatron.core")
     try:

@@ -49,7 +49,9 @@ def _token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     ],
 )
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-5), ("bfloat16", 0.1)])
-def test_logprobs_equal_the_hf_model(parallel, tmp_path, family, extra, dtype, tol):
+@pytest.mark.parametrize("attention", ["sdpa", "megatron"])
+def test_logprobs_equal_the_hf_model(parallel, tmp_path, family, extra, dtype, tol, attention):
+    """Both core attentions of the local spec (torch's SDPA, the default; megatron-core's own)."""
     import transformers
 
     from miles_megatron.model_config import DTYPES, gpt_model, transformer_config
@@ -58,7 +60,7 @@ def test_logprobs_equal_the_hf_model(parallel, tmp_path, family, extra, dtype, t
     model = HFModel.from_dir(str(path))
     torch_dtype = DTYPES[dtype]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).cuda().eval()
-    gpt = gpt_model(model, transformer_config(model, parallel, dtype)).cuda().eval()
+    gpt = gpt_model(model, transformer_config(model, parallel, dtype), core_attention=attention).cuda().eval()
     from safetensors.torch import load_file
 
     result = gpt.load_state_dict(

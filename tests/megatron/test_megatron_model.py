@@ -111,7 +111,8 @@ def test_the_cpu_model_is_built_through_megatrons_spec_and_changes_no_megatron_o
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.utils import GlobalMemoryBuffer
 
-    from miles_megatron.cpu import CPUDotProductAttention, causal_mask
+    from miles_megatron.attention import SDPADotProductAttention
+    from miles_megatron.cpu import causal_mask
     from miles_megatron.model_config import gpt_model, transformer_config
 
     path = make_checkpoint("qwen3", tmp_path)
@@ -119,7 +120,7 @@ def test_the_cpu_model_is_built_through_megatrons_spec_and_changes_no_megatron_o
     gpt = gpt_model(model, transformer_config(model, parallel, "float32", cpu_init=True), cpu=True)
     gpt.load_state_dict(hf_to_megatron(model, checkpoint_tensors(path)), strict=False)
     gpt.eval()
-    attentions = [m for m in gpt.modules() if isinstance(m, CPUDotProductAttention)]
+    attentions = [m for m in gpt.modules() if isinstance(m, SDPADotProductAttention)]
     assert len(attentions) == model.num_layers
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(7).expand(2, 7)

@@ -86,6 +86,16 @@ def refusals(spec: BackendSpec, train: TrainSection, options: MegatronOptions, l
             "megatron.micro_batch_tokens packs sequences (THD), which only Transformer Engine's attention "
             "reads; megatron-core's local attention takes padded rows (unset it)"
         )
+    if options.core_attention is not None and layer_spec == "te":
+        out.append(
+            f"megatron.core_attention {options.core_attention!r} chooses the local layer spec's attention, but "
+            "the layer spec is te (Transformer Engine's attention); unset it or set megatron.layer_spec: local"
+        )
+    if options.core_attention == "megatron" and options.device == "cpu":
+        out.append(
+            "megatron.core_attention 'megatron' allocates on CUDA and cannot run with megatron.device cpu; "
+            "allowed there: sdpa (or unset)"
+        )
     if spec.temperature <= 0:
         out.append(f"the rollout temperature must be > 0 to compute log-probs, got {spec.temperature}")
     return out

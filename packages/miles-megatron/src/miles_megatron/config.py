@@ -52,6 +52,12 @@ class MegatronOptions(BaseModel):
         description="megatron layer spec: local (megatron-core's own modules), te (Transformer Engine), "
         "auto (te when transformer-engine is installed)",
     )
+    core_attention: Literal["sdpa", "megatron"] | None = Field(
+        None,
+        description="the local layer spec's core attention: sdpa (torch's scaled_dot_product_attention, the flash "
+        "kernel for bf16 on a GPU; miles_megatron.attention) or megatron (megatron-core's DotProductAttention, "
+        "which materialises the score matrix; CUDA only). None: sdpa. The te spec has Transformer Engine's own",
+    )
     micro_batch_tokens: int | None = Field(
         None,
         ge=1,

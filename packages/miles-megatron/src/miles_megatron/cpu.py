@@ -8,7 +8,7 @@ megatron-core is patched, and no existing object changes class):
 
 - core attention: the local spec's ``DotProductAttention`` takes its score matrix from the
   global memory buffer (``utils.GlobalMemoryBuffer.get_tensor``, on CUDA) and forks the CUDA
-  RNG tracker around its dropout. :class:`CPUDotProductAttention` keeps megatron's constructor
+  RNG tracker around its dropout. ``miles_megatron.attention.SDPADotProductAttention`` keeps megatron's constructor
   (heads per partition, softmax scale) and computes the same attention with torch's
   ``scaled_dot_product_attention``; it is put into the layer spec's ``core_attention`` slot, the
   extension point megatron gives for it (``model_config.layer_spec``). Dropout is refused (the
@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state  # type: ignore[import-untyped]
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # type: ignore[import-untyped]
     RotaryEmbedding,
@@ -49,9 +48,6 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import (  # typ
 from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
 from megatron.core.tensor_parallel.layers import (  # type: ignore[import-untyped]
     param_is_not_tensor_parallel_duplicate,
-)
-from megatron.core.transformer.dot_product_attention import (  # type: ignore[import-untyped]
-    DotProductAttention,
 )
 
 
@@ -105,56 +101,6 @@ class CPUGPTModel(GPTModel):
                 use_cpu_initialization=True,
                 cp_group=self.pg_collection.cp,
             )
-
-
-class CPUDotProductAttention(DotProductAttention):
-    """megatron's local core attention computed by torch's SDPA on whatever device the inputs are.
-
-    Same inputs and output as ``DotProductAttention``: query ``[sq, b, np, hn]``, key and value
-    ``[sk, b, ng, hn]``, megatron's boolean mask (True: masked out; None: causal), context
-    ``[sq, b, np * hn]``. The softmax runs in float32 as megatron's local path does
-    (``attention_softmax_in_fp32``), the scale is the one megatron's constructor chose.
-    """
-
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        if self.attention_dropout.p != 0.0:
-            raise ValueError(
-                f"megatron.device cpu: attention dropout {self.attention_dropout.p} is not supported "
-                "(megatron draws it from the CUDA RNG tracker); allowed: 0"
-            )
-        if self.config.softmax_type != "vanilla":
-            raise ValueError(
-                f"megatron.device cpu: softmax_type {self.config.softmax_type!r}; allowed: vanilla"
-            )
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: Any = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("megatron.device cpu: packed sequences and attention biases are not supported")
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        # [s, b, heads, hn] -> [b, heads, s, hn]
-        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        if attention_mask is None:
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale
-            )
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        context = context.to(query.dtype).permute(2, 0, 1, 3).contiguous()
-        return context.view(*context.shape[:2], self.hidden_size_per_partition)
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:

@@ -112,34 +112,48 @@ def transformer_config(
 
 
 def layer_spec(
-    model: HFModel, config: TransformerConfig, spec: Literal["local", "te"] = "local", *, cpu: bool = False
+    model: HFModel,
+    config: TransformerConfig,
+    spec: Literal["local", "te"] = "local",
+    *,
+    cpu: bool = False,
+    core_attention: Literal["sdpa", "megatron"] = "sdpa",
 ) -> Any:
     """The decoder's layer spec: megatron-core's local one, or Transformer Engine's (needs it installed).
 
     A MoE model gets the decoder-block spec, which builds each layer as ``moe_layer_freq`` says
-    (Qwen3-MoE's ``mlp_only_layers`` are dense). ``cpu``: the local spec with the core attention
-    that runs on the CPU (``miles_megatron.cpu.CPUDotProductAttention``), put in the spec's own
-    ``core_attention`` slot.
+    (Qwen3-MoE's ``mlp_only_layers`` are dense). The local spec's ``core_attention`` slot, the
+    extension point megatron gives for it, takes ``miles_megatron.attention.SDPADotProductAttention``
+    unless ``core_attention`` is ``megatron`` (its own, CUDA only). ``cpu``: the spec that runs on the
+    CPU (dense, local, SDPA attention).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if cpu and (model.is_moe or spec == "te"):
+    if cpu and (model.is_moe or spec == "te" or core_attention != "sdpa"):
         raise ValueError(
-            "megatron.device cpu runs dense models with the local layer spec only "
-            f"(got {'a MoE model' if model.is_moe else 'the te spec'})"
-        )
-    if model.is_moe:
-        return specs.get_gpt_decoder_block_spec(
-            config, use_transformer_engine=spec == "te", normalization="RMSNorm"
+            "megatron.device cpu runs dense models with the local layer spec and sdpa attention only "
+            f"(got {'a MoE model' if model.is_moe else 'the te spec' if spec == 'te' else 'megatron attention'})"
         )
     if spec == "te":
+        if model.is_moe:
+            return specs.get_gpt_decoder_block_spec(
+                config, use_transformer_engine=True, normalization="RMSNorm"
+            )
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
-    local = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
-    if cpu:
-        from miles_megatron.cpu import CPUDotProductAttention
+    if model.is_moe:
+        block = specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm"
+        )
+        layers = block.layer_specs
+    else:
+        block = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+        layers = [block]
+    if core_attention == "sdpa":
+        from miles_megatron.attention import SDPADotProductAttention
 
-        local.submodules.self_attention.submodules.core_attention = CPUDotProductAttention
-    return local
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return block
 
 
 def gpt_model(
@@ -148,12 +162,13 @@ def gpt_model(
     spec: Literal["local", "te"] = "local",
     *,
     cpu: bool = False,
+    core_attention: Literal["sdpa", "megatron"] = "sdpa",
     **kwargs: Any,
 ) -> GPTModel:
     """megatron-core's GPT model for ``model`` (needs ``parallel_state`` initialised for ``config``'s layout).
 
-    ``cpu``: the model that runs on the CPU (``miles_megatron.cpu``: its core attention and rotary
-    embedding), for ``megatron.device: cpu``."""
+    ``cpu``: the model that runs on the CPU (``miles_megatron.cpu``: its rotary embedding), for
+    ``megatron.device: cpu``; ``core_attention``: as :func:`layer_spec`."""
     from megatron.core.models.gpt import GPTModel
 
     model_class: type[GPTModel] = GPTModel
@@ -164,7 +179,7 @@ def gpt_model(
     args = gpt_args(model)
     return model_class(
         config=config,
-        transformer_layer_spec=layer_spec(model, config, spec, cpu=cpu),
+        transformer_layer_spec=layer_spec(model, config, spec, cpu=cpu, core_attention=core_attention),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_sequence_length,
         position_embedding_type="rope",

@@ -162,7 +162,13 @@ class MegatronTrainer:
             cpu_init=not self.cuda,
             **({REPLAY_FIELD: True} if replay else {}),
         )
-        gpt = gpt_model(self.hf, self.config, layer_spec, cpu=not self.cuda).to(self.device)
+        gpt = gpt_model(
+            self.hf,
+            self.config,
+            layer_spec,
+            cpu=not self.cuda,
+            core_attention=options.core_attention or "sdpa",
+        ).to(self.device)
         # MoE: the routers count where their top-k differs from the routing the rollout recorded and,
         # with replay on, route as it did (R3; miles_megatron.routing).
         self.routing = RouterHooks(routers_of(gpt), replay=replay) if self.hf.is_moe else None
@@ -221,7 +227,13 @@ class MegatronTrainer:
                 f"{self.hf.vocab_size}; it must score the policy's token ids"
             )
         config = transformer_config(hf, self.layout, self.options.params_dtype, cpu_init=not self.cuda)
-        model = gpt_model(hf, config, self.layer_spec, cpu=not self.cuda).to(self.device)
+        model = gpt_model(
+            hf,
+            config,
+            self.layer_spec,
+            cpu=not self.cuda,
+            core_attention=self.options.core_attention or "sdpa",
+        ).to(self.device)
         self._load_weights(model, hf, path)
         model.requires_grad_(False)
         return model.eval()

@@ -1,10 +1,12 @@
-"""Training throughput and MFU of the FSDP backend alone, on a random Qwen3-shaped bf16 model.
+"""Training throughput and MFU of the FSDP and Megatron backends, on the same random Qwen3-shaped bf16 model.
 
-    python3 benchmarks/fsdp_mfu.py --out /tmp/fsdp-mfu.json            # GPU: Qwen3-1.7B shape, seq 2048
-    uv run python benchmarks/fsdp_mfu.py --shape tiny --device cpu     # a smoke run of the script itself
+    python3 benchmarks/train_mfu.py --out /tmp/fsdp-mfu.json            # GPU: Qwen3-1.7B shape, seq 2048
+    uv run python benchmarks/train_mfu.py --shape tiny --device cpu     # a smoke run of the script itself
 
 A random model of the named shape is written once (bf16 safetensors); each configuration then starts
-an ``FSDPBackend`` (one rank, bf16 compute, float32 master weights and gradient reduction, AdamW) and
+an ``FSDPBackend`` (one rank, bf16 compute, float32 master weights and gradient reduction, AdamW) or,
+for the ``megatron*`` ones, a ``MegatronBackend`` (one rank, bf16 parameters, megatron's DDP with
+float32 gradient buffers and its Adam with float32 master weights, the local layer spec), and
 trains ``--steps`` steps of ``--samples`` sequences of ``--seq`` tokens (``--prompt`` prompt tokens,
 the rest response tokens under a PPO-clip loss with random advantages). Per configuration it reports
 the median over the steps after ``--warmup`` of: seconds per step, tokens per second, the trainer's
@@ -84,6 +86,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "packed-full-compiled": {"max_tokens_per_gpu": None, "compile": True},
     "packed-chunked-compiled": {"logprob_projection": "chunked", "max_tokens_per_gpu": None, "compile": True},
 }
+# name -> megatron options on top of the common ones (padded micro-batches of --micro-batch samples).
+MEGATRON_CONFIGS: dict[str, dict[str, Any]] = {
+    "megatron": {},  # core_attention sdpa, the default
+    "megatron-attn-megatron": {"core_attention": "megatron"},  # megatron-core's own score-matrix attention
+    "megatron-streaming": {"optimizer_streaming": True},  # AdamW state on disk, a bucket at a time
+}
 
 
 def build_model(shape: str, seq: int, path: Path, device: str) -> None:
@@ -131,13 +139,23 @@ def make_batch(samples: int, seq: int, prompt: int, vocab: int, step: int) -> An
     return TrainBatch(samples=out, advantages=advantages, step=step)
 
 
-def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_path: str) -> dict[str, Any]:
-    from miles.interfaces import BackendSpec
+def backend_for(name: str, fsdp: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The unstarted backend of configuration ``name`` and its options (both backends share ``train``)."""
+    cuda = args.device == "cuda"
+    train = {"lr": 1e-6, "micro_batch_size": args.micro_batch, "grad_clip": 1.0}
+    if name in MEGATRON_CONFIGS:
+        from miles_megatron.backend import MegatronBackend
+
+        megatron = {
+            "device": args.device,
+            "params_dtype": "bfloat16" if cuda else "float32",
+            **MEGATRON_CONFIGS[name],
+        }
+        return MegatronBackend(), {"train": train, "megatron": megatron}
     from miles_fsdp.backend import FSDPBackend
 
-    cuda = args.device == "cuda"
     options = {
-        "train": {"lr": 1e-6, "micro_batch_size": args.micro_batch, "grad_clip": 1.0},
+        "train": train,
         "fsdp": {
             "num_ranks": 1,
             "device": args.device,
@@ -150,19 +168,30 @@ def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_
             **fsdp,
         },
     }
+    return FSDPBackend(), options
+
+
+def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+    from miles.interfaces import BackendSpec
+
+    cuda = args.device == "cuda"
+    backend, options = backend_for(name, fsdp, args)
     spec = BackendSpec(
         model_path=model_path,
         loss="ppo_clip",
         correction=None,
-        transport="broadcast",
+        transport="broadcast" if "fsdp" in options else "colocated",
         engine_urls=[],
         temperature=1.0,
         options=options,
     )
-    backend = FSDPBackend()
     t0 = time.perf_counter()
-    backend.setup(spec)
-    result: dict[str, Any] = {"config": name, "fsdp": options["fsdp"], "setup_s": time.perf_counter() - t0}
+    try:
+        backend.setup(spec)
+    except Exception as exc:  # a configuration that cannot start must not lose the others' figures
+        return {"config": name, "error": f"setup: {type(exc).__name__}: ...{str(exc)[-700:]}"}
+    section = "fsdp" if "fsdp" in options else "megatron"
+    result: dict[str, Any] = {"config": name, section: options[section], "setup_s": time.perf_counter() - t0}
     vocab = SHAPES[args.shape]["vocab_size"]
     steps: list[dict[str, float]] = []
     try:
@@ -235,10 +264,13 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         default="padded-full,packed-chunked-sdpa,packed-chunked,packed-full,padded-full-compiled,packed-full-compiled",
-        help=f"comma-separated, of {list(CONFIGS)}",
+        help=f"comma-separated, of {list(CONFIGS) + list(MEGATRON_CONFIGS)}",
     )
     parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args()
+    unknown = [n for n in args.configs.split(",") if n not in CONFIGS and n not in MEGATRON_CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; allowed: {list(CONFIGS) + list(MEGATRON_CONFIGS)}")
 
     import torch
 
@@ -259,7 +291,7 @@ def main() -> None:
         info["build_s"] = time.perf_counter() - t0
         print(f"model written in {info['build_s']:.1f} s", flush=True)
         for name in args.configs.split(","):
-            fsdp = dict(CONFIGS[name])
+            fsdp = dict(CONFIGS.get(name, {}))
             if "max_tokens_per_gpu" in fsdp:
                 fsdp["max_tokens_per_gpu"] = args.pack_tokens
             results.append(run_config(name, fsdp, args, str(model_path)))
