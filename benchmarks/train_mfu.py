@@ -85,6 +85,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "padded-full-compiled": {"compile": True},
     "packed-full-compiled": {"max_tokens_per_gpu": None, "compile": True},
     "packed-chunked-compiled": {"logprob_projection": "chunked", "max_tokens_per_gpu": None, "compile": True},
+    "padded-lora": {},  # padded-full with a LoRA adapter (LORA below) in place of full-parameter training
+    "packed-lora": {"max_tokens_per_gpu": None},
+}
+# Issue 18's adapter: rank 16 on every attention and MLP projection (the "-lora" configurations).
+LORA = {
+    "rank": 16,
+    "alpha": 32,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 # name -> megatron options on top of the common ones (padded micro-batches of --micro-batch samples).
 MEGATRON_CONFIGS: dict[str, dict[str, Any]] = {
@@ -139,6 +147,14 @@ def make_batch(samples: int, seq: int, prompt: int, vocab: int, step: int) -> An
     return TrainBatch(samples=out, advantages=advantages, step=step)
 
 
+def lora_config(model_path: str) -> dict[str, Any]:
+    """A whole run config (the ranks rebuild and validate it) whose ``lora`` section is :data:`LORA`."""
+    from miles.config import load_recipe
+
+    lora = [f"lora.{k}={json.dumps(v)}" for k, v in LORA.items()]
+    return load_recipe("default", [f"model.path={model_path}", *lora]).model_dump(mode="json")
+
+
 def backend_for(name: str, fsdp: dict[str, Any], args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The unstarted backend of configuration ``name`` and its options (both backends share ``train``)."""
     cuda = args.device == "cuda"
@@ -184,6 +200,7 @@ def run_config(name: str, fsdp: dict[str, Any], args: argparse.Namespace, model_
         engine_urls=[],
         temperature=1.0,
         options=options,
+        config=lora_config(model_path) if name.endswith("-lora") else None,
     )
     t0 = time.perf_counter()
     try:

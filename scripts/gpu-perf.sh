@@ -7,7 +7,7 @@
 #      and the old pageable offload beside them;
 #   4. megatron (issue 17's Measure): FSDP and Megatron MFU on the same 0.6B and 1.7B models and batch,
 #      Megatron with and without optimizer streaming (peak memory) and with megatron-core's own attention,
-#      with offload round trips; then the default recipe's RL stage with backend megatron on the GPU.
+#      FSDP with a LoRA adapter (issue 18), with offload round trips; then the default recipe's RL stage with backend megatron on the GPU.
 # Run here first: bash scripts/gpu-wheels.sh (and carry .whl). PARTS=tests,engine,mfu,megatron picks parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ if [[ $parts == *megatron* ]]; then
     if [ "${mem_mib:-0}" -lt 100000 ]; then fit="--micro-batch 4 --pack-tokens 8192"; fi
     for shape in ${MEGATRON_SHAPES:-0.6b 1.7b}; do
         python3 benchmarks/train_mfu.py --shape "$shape" \
-            --configs "${MEGATRON_CONFIGS:-padded-full,packed-full-compiled,megatron,megatron-attn-megatron,megatron-streaming}" \
+            --configs "${MEGATRON_CONFIGS:-padded-full,padded-lora,packed-full-compiled,megatron,megatron-attn-megatron,megatron-streaming}" \
             --warmup 2 --steps "${MFU_STEPS:-3}" --offload-trips 2 --out "$out/train-mfu-$shape.json" $fit 2>&1 \
             | tee "$out/train-mfu-$shape.log"
     done
