@@ -39,6 +39,11 @@ def miles_configure(config: Any) -> None:
     # cannot divide the world are refused here, the model's shape when the backend is set up.
     plan_layout(options)
     problems = launch_problems(options) + options.storage_problems()
+    if getattr(config, "lora", None) is not None:
+        problems.append(
+            "a lora section trains an adapter, which the megatron backend does not build yet; "
+            "allowed: no lora section (full-parameter training), or backend fsdp for LoRA"
+        )
     if problems:
         raise ConfigError("backend 'megatron': " + "; ".join(problems))
     problem = runtime_problem(options)
