@@ -47,7 +47,7 @@ def test_what_is_not_built_yet_is_refused_one_sentence_each():
     )
     text = " | ".join(problems)
     assert len(problems) == 5, text  # the cosine schedule and the reference scorer are built: not refused
-    assert "num_ranks is 2" in text and "DP = 2" in text and "['values']" in text
+    assert "num_ranks is 2" in text and "DP = 2" in text and "needs values but no critic is set" in text
     assert "cosine" not in text
     assert "ray" in text and "THD" in text and "temperature" in text
     assert refusals(_spec(), TrainSection(), MegatronOptions(micro_batch_tokens=512), "te") == []

@@ -95,7 +95,7 @@ def test_what_cannot_be_scored_is_refused_in_one_line(tmp_path):
     path = make_checkpoint("qwen3", tmp_path / "hf")
     with pytest.raises(ConfigError, match="needs teacher_logprobs but no teacher model is named"):
         MegatronBackend().setup(_spec(path, scores=[TEACHER]))
-    with pytest.raises(ConfigError, match=r"needs \['values'\], which the megatron backend does not compute"):
+    with pytest.raises(ConfigError, match=r"needs values but no critic is set \(algorithm.critic\)"):
         MegatronBackend().setup(_spec(path, scores=["values"]))
     with pytest.raises(ModelError, match=r"reference model path .* is not a Hugging Face model directory"):
         MegatronBackend().setup(_spec(path, scores=[REF], ref=tmp_path))

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
-from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, BackendSpec, TransportStats
+from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, VALUES, BackendSpec, TransportStats
 from miles.types import Sample, TrainBatch
 from miles_megatron.batch import (
     OLD_LOGPROBS,
@@ -72,13 +72,13 @@ def resolve_layer_spec(options: MegatronOptions) -> Spec:
 def refusals(spec: BackendSpec, train: TrainSection, options: MegatronOptions, layer_spec: Spec) -> list[str]:
     """What this backend cannot run yet for ``spec``, one sentence each (empty: it can)."""
     out = launch_problems(options) + options.storage_problems()
-    unsupported = [s for s in spec.scores if s not in (OLD_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS)]
+    unsupported = [s for s in spec.scores if s not in (OLD_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS, VALUES)]
     if unsupported:
         out.append(f"the objective needs {unsupported}, which the megatron backend does not compute yet")
     if TEACHER_LOGPROBS in spec.scores and not spec.teacher_model_path:
         out.append("the objective needs teacher_logprobs but no teacher model is named")
-    if spec.critic is not None:
-        out.append("a critic (PPO values) is not built for the megatron backend yet")
+    if VALUES in spec.scores and spec.critic is None:
+        out.append("the objective needs values but no critic is set (algorithm.critic)")
     if spec.placement.get("launcher", "local") != "local":
         out.append("placement.launcher 'ray' is not built for the megatron backend yet")
     if options.micro_batch_tokens is not None and layer_spec != "te":
@@ -160,6 +160,17 @@ class MegatronBackend:
             layout.check_model(ModelShape.of(HFModel.from_dir(path)))
         layer_spec = resolve_layer_spec(options)
         problems = refusals(spec, train, options, layer_spec)
+        if spec.critic is not None:  # PPO's value model, on the policy's layout (miles_megatron.critic)
+            from miles_megatron.critic import critic_problems
+
+            if not os.path.isfile(os.path.join(spec.critic.model_path, "config.json")):
+                raise ModelError(
+                    f"megatron: the critic model path {spec.critic.model_path!r} is not a Hugging Face "
+                    "model directory"
+                )
+            critic_hf = HFModel.from_dir(spec.critic.model_path)
+            layout.check_model(ModelShape.of(critic_hf))
+            problems += critic_problems(critic_hf, hf, options)
         if hf.is_moe and layout.world > 1:
             problems.append("a MoE model on more than one rank is not run yet (megatron.num_ranks: 1)")
         if hf.is_moe and options.device == "cpu":
@@ -307,7 +318,7 @@ def _combine(results: list[tuple[dict[str, float], int]]) -> dict[str, float]:
         for key, value in metrics.items():
             if key in _SUMMED or key.startswith("time/"):
                 out[key] = out.get(key, 0.0) + value
-            elif key in ("train/lr", "train/cuda_peak_gib"):
+            elif key in ("train/lr", "train/cuda_peak_gib", "critic/lr"):
                 out.setdefault(key, value)
             else:
                 sums[key] = sums.get(key, 0.0) + value * tokens

@@ -52,6 +52,7 @@ from miles.errors import ComponentError, ModelError
 from miles.interfaces import (
     REF_LOGPROBS,
     TEACHER_LOGPROBS,
+    VALUES,
     BackendSpec,
     CorrectionOutput,
     LossInputs,
@@ -178,6 +179,15 @@ class MegatronTrainer:
         self.scorers: dict[str, Any] = {
             name: self._frozen_model(path, name) for name, path in scorer_paths(spec).items()
         }
+        self.critic: Any = None  # PPO's value model (miles_megatron.critic), trained after the policy
+        if spec.critic is not None:
+            from miles_megatron.critic import MegatronCritic
+
+            self.critic = MegatronCritic(
+                spec, spec.critic, layout, options, train, layer_spec, rank, self.device, self.lr_factor
+            )
+        elif VALUES in spec.scores:
+            raise ComponentError("megatron: values requested but the spec has no critic")
         self.optimizer_steps = 0
         self.streaming: StreamingAdamW | None = None
         self._lr = train.lr
@@ -400,17 +410,18 @@ class MegatronTrainer:
     def score(self, groups: list[list[Row]], names: list[str]) -> list[list[dict[str, list[float]]]]:
         """Forward-only: per micro-batch, per row, the named signals: the policy's own log-probs
         (``old_logprobs``) and those of the frozen scorers this trainer built."""
-        unknown = [n for n in names if n != OLD_LOGPROBS and n not in self.scorers]
+        scorable = [OLD_LOGPROBS, *self.scorers, *([VALUES] if self.critic is not None else [])]
+        unknown = [n for n in names if n not in scorable]
         if unknown:
-            raise ComponentError(
-                f"megatron: cannot score {unknown}; this trainer scores {[OLD_LOGPROBS, *self.scorers]}"
-            )
+            raise ComponentError(f"megatron: cannot score {unknown}; this trainer scores {scorable}")
         mbs = self._micro_batches(groups)
         per_name = {
             name: self._scorer_rows(self.scorers[name], mbs) for name in names if name in self.scorers
         }
         if OLD_LOGPROBS in names:
             per_name[OLD_LOGPROBS] = self._policy_rows(mbs)
+        if VALUES in names:
+            per_name[VALUES] = self.critic.value_rows(mbs)
         rows = [
             [{name: per_name[name][m][i] for name in names} for i in range(len(mb.response_lengths))]
             for m, mb in enumerate(mbs)
@@ -541,6 +552,11 @@ class MegatronTrainer:
         t_opt = time.perf_counter()
         if ok:
             self.optimizer_steps += 1
+        critic_metrics = {}
+        if self.critic is not None:
+            critic_metrics = self.critic.train_step(
+                mbs, num_loss_tokens, num_samples, self._dp_group(), self.dp_size
+            )
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         for o in outs:
@@ -563,6 +579,7 @@ class MegatronTrainer:
                 "time/train_step/optimizer_s": t_opt - t_fb,
             }
         )
+        metrics.update(critic_metrics)
         if self.routing is not None:
             mismatched, recorded = self.routing.take_counts()
             if recorded:
@@ -706,6 +723,7 @@ class MegatronTrainer:
                         "world": self.layout.world,
                         "optimizer": optimizer,
                         "optimizer_steps": self.optimizer_steps,
+                        "critic": self.critic is not None,
                     },
                     f,
                 )
@@ -718,6 +736,8 @@ class MegatronTrainer:
             self.streaming.save(self._streamed_dir(directory))
             self._write_marker(directory, STREAMED)
             return
+        if self.critic is not None:
+            self.critic.save(directory, self._cpu_dir(directory))
         if not self.cuda:
             self._save_cpu(self._cpu_dir(directory))
             self._write_marker(directory, CPU_ADAMW)
@@ -756,9 +776,16 @@ class MegatronTrainer:
                 f"{'CPU' if written == CPU_ADAMW else 'CUDA'} (optimizer {written!r}); this run is on "
                 f"{'CUDA' if self.cuda else 'CPU'}: resume it with the megatron.device it was written on"
             )
+        if bool(marker.get("critic", False)) != (self.critic is not None):
+            raise ComponentError(
+                f"checkpoint {directory} was written {'with' if marker.get('critic') else 'without'} a critic and "
+                f"this run has {'one' if self.critic is not None else 'none'}; resume with the same algorithm"
+            )
         if not self.cuda:
             self._check_same_layout(marker, directory, "the CPU trainer's per-rank state")
             self._load_cpu(self._cpu_dir(directory))
+            if self.critic is not None:
+                self.critic.load(directory, self._cpu_dir(directory))
             self.optimizer_steps = int(marker["optimizer_steps"])
             return
         from megatron.core import dist_checkpointing
@@ -767,6 +794,8 @@ class MegatronTrainer:
         self.gpt.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.optimizer_steps = int(marker["optimizer_steps"])
+        if self.critic is not None:
+            self.critic.load(directory, self._cpu_dir(directory))
 
     # ---------------------------------------------------------------- offload
 
@@ -779,6 +808,8 @@ class MegatronTrainer:
                     yield grad
         for scorer in self.scorers.values():
             yield from scorer.parameters()
+        if self.critic is not None:
+            yield from self.critic.device_tensors()
         # megatron's DDP keeps its flat buffers in lists by these names (on CPU the model is the bare
         # GPTModel, whose ``buffers`` is nn.Module's method).
         ddp_buffers = [getattr(self.model, n, None) for n in ("buffers", "expert_parallel_buffers")]
