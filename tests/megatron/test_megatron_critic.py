@@ -246,6 +246,40 @@ def test_two_ranks_dp_or_tp_train_the_critic_as_one_rank(tmp_path):
         assert _max_diff(values, want_values) < 1e-5, layout
 
 
+def test_a_disk_offload_moves_the_critic_with_the_actor_and_changes_nothing(tmp_path):
+    path = make_checkpoint("qwen3", tmp_path / "hf")
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    backend = MegatronBackend()
+    backend.setup(_spec(path, offload_to="disk", offload_dir=str(spill), offload_staging_mb=1))
+    try:
+        backend.train_step(_ppo_batch(backend, seed=60))
+        batch = _ppo_batch(backend, seed=61)
+        critic = backend.trainer.critic
+        params = list(critic.gpt.parameters())
+        critic_bytes = sum(p.untyped_storage().nbytes() for p in params)
+        off = backend.offload()
+        # Its weights (and their AdamW moments) left with the policy's: their storages are empty.
+        assert all(p.untyped_storage().nbytes() == 0 for p in params)
+        assert off["offload/bytes"] > 3 * critic_bytes
+        backend.onload()
+        assert backend.score(batch.samples, [VALUES])[VALUES] == [
+            s.token_scores[VALUES] for s in batch.samples
+        ]
+        got = backend.train_step(batch)
+    finally:
+        backend.shutdown()
+    plain = MegatronBackend()
+    plain.setup(_spec(path))
+    try:
+        plain.train_step(_ppo_batch(plain, seed=60))
+        want = plain.train_step(_ppo_batch(plain, seed=61))
+    finally:
+        plain.shutdown()
+    for key in ("critic/value_loss", "critic/grad_norm", "train/loss"):
+        assert got[key] == want[key], key
+
+
 def test_what_the_critic_cannot_run_is_refused_in_one_sentence(tmp_path):
     path = make_checkpoint("qwen3", tmp_path / "hf")
     moe = make_checkpoint("qwen3_moe", tmp_path / "moe")
