@@ -97,25 +97,3 @@ def test_validate_check_refuses_a_bad_offload_or_streaming_dir_in_one_line(tmp_p
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1, result.output
         assert f"{said} {str(missing)!r} does not exist; allowed: an existing, writable directory" in lines[0]
-
-
-def test_validate_check_refuses_lora_on_megatron_in_one_line():
-    """A lora section must not be silently ignored by a backend that trains every parameter."""
-    from click.testing import CliRunner
-
-    from miles.cli import cli
-
-    sets = [
-        "backend=megatron",
-        "megatron.device=cpu",
-        "transport=colocated",
-        "lora.rank=8",
-        "warm_start=null",
-    ]
-    result = CliRunner().invoke(
-        cli, ["config", "validate", "--check"] + [a for s in sets for a in ("--set", s)]
-    )
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert "a lora section trains an adapter, which the megatron backend does not build yet" in lines[0]

@@ -13,6 +13,7 @@ is plain Python here; the trainer turns rows into megatron's tensors on the devi
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, VALUES, BackendSpec, TransportStats
 from miles.types import Sample, TrainBatch
+from miles_megatron import lora as lora_mod
 from miles_megatron.batch import (
     OLD_LOGPROBS,
     Row,
@@ -130,6 +132,7 @@ class MegatronBackend:
         self.train_opts: TrainSection | None = None
         self.options: MegatronOptions | None = None
         self._offloaded = False
+        self.lora_plan: lora_mod.LoraPlan | None = None
 
     def setup(self, spec: BackendSpec) -> None:
         if self.trainer is not None:
@@ -160,6 +163,9 @@ class MegatronBackend:
             layout.check_model(ModelShape.of(HFModel.from_dir(path)))
         layer_spec = resolve_layer_spec(options)
         problems = refusals(spec, train, options, layer_spec)
+        lora_section = lora_mod.section(spec.config)
+        if lora_section is not None:
+            problems += lora_mod.option_problems(options, lora_section, layer_spec)
         if spec.critic is not None:  # PPO's value model, on the policy's layout (miles_megatron.critic)
             from miles_megatron.critic import critic_problems
 
@@ -184,6 +190,14 @@ class MegatronBackend:
                 problems.append(f"train.use_rollout_routing_replay: {replay_problem}")
         if problems:
             raise ConfigError("backend 'megatron': " + "; ".join(problems))
+        # LoRA: the recipe's targets against the model and the transport, refused in one sentence each.
+        self.lora_plan = None if lora_section is None else lora_mod.plan(hf, lora_section)
+        if self.lora_plan is not None and spec.engine_urls:
+            from miles.plugins import make_component
+
+            transport = make_component("transport", spec.transport, dict(spec.transport_options))
+            if not getattr(transport, "carries_adapters", False):
+                raise ConfigError(lora_mod.transport_refusal(spec.transport))
         from miles.plugins import validate_component_ref
 
         validate_component_ref("loss", spec.loss)
@@ -273,7 +287,13 @@ class MegatronBackend:
             raise FileNotFoundError(
                 f"{directory} is not a megatron checkpoint ({CHECKPOINT_MARKER} is missing)"
             )
-        self._use("load_checkpoint").load_checkpoint(directory)
+        trainer = self._use("load_checkpoint")
+        assert self.spec is not None
+        with open(os.path.join(directory, CHECKPOINT_MARKER)) as f:
+            saved_lora = json.load(f).get("lora")
+        # A LoRA checkpoint resumes only as the same adapter on the same base (checked before any rank reads it).
+        lora_mod.check_checkpoint(saved_lora, self.lora_plan, self.spec.model_path, directory)
+        trainer.load_checkpoint(directory)
 
     def export_hf(self, directory: str) -> None:
         self._use("export_hf").export_hf(os.path.abspath(directory))

@@ -39,11 +39,17 @@ def miles_configure(config: Any) -> None:
     # cannot divide the world are refused here, the model's shape when the backend is set up.
     plan_layout(options)
     problems = launch_problems(options) + options.storage_problems()
-    if getattr(config, "lora", None) is not None:
-        problems.append(
-            "a lora section trains an adapter, which the megatron backend does not build yet; "
-            "allowed: no lora section (full-parameter training), or backend fsdp for LoRA"
-        )
+    lora = getattr(config, "lora", None)
+    if lora is not None and not lora.multi:  # multi-LoRA: the core refuses it (no trains_adapters here)
+        from miles_megatron.lora import option_problems
+
+        problems += option_problems(options, lora, options.layer_spec)
+        if config.mode == "rl":  # the weight updates carry only the adapter
+            from miles._plugins.components import load_component
+            from miles_megatron.lora import transport_refusal
+
+            if not getattr(load_component("transport", config.transport), "carries_adapters", False):
+                problems.append(transport_refusal(config.transport))
     if problems:
         raise ConfigError("backend 'megatron': " + "; ".join(problems))
     problem = runtime_problem(options)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
     from megatron.core.transformer import TransformerConfig  # type: ignore[import-untyped]
 
+    from miles_megatron.lora import LoraPlan
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -118,6 +120,7 @@ def layer_spec(
     *,
     cpu: bool = False,
     core_attention: Literal["sdpa", "megatron"] = "sdpa",
+    lora: LoraPlan | None = None,
 ) -> Any:
     """The decoder's layer spec: megatron-core's local one, or Transformer Engine's (needs it installed).
 
@@ -125,7 +128,9 @@ def layer_spec(
     (Qwen3-MoE's ``mlp_only_layers`` are dense). The local spec's ``core_attention`` slot, the
     extension point megatron gives for it, takes ``miles_megatron.attention.SDPADotProductAttention``
     unless ``core_attention`` is ``megatron`` (its own, CUDA only). ``cpu``: the spec that runs on the
-    CPU (dense, local, SDPA attention).
+    CPU (dense, local, SDPA attention). ``lora``: the linear slots it targets take
+    ``miles_megatron.lora_layers``' adapter-carrying subclasses of megatron's parallel linears
+    (local spec, dense models).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
@@ -135,6 +140,8 @@ def layer_spec(
             f"(got {'a MoE model' if model.is_moe else 'the te spec' if spec == 'te' else 'megatron attention'})"
         )
     if spec == "te":
+        if lora is not None:
+            raise ValueError("LoRA layers are built on the local layer spec only")
         if model.is_moe:
             return specs.get_gpt_decoder_block_spec(
                 config, use_transformer_engine=True, normalization="RMSNorm"
@@ -153,7 +160,35 @@ def layer_spec(
 
         for layer in layers:
             layer.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    if lora is not None:
+        if model.is_moe:
+            raise ValueError("LoRA layers are built for dense models only")
+        _lora_slots(model, layers, lora)
     return block
+
+
+def _lora_slots(model: HFModel, layers: list[Any], lora: LoraPlan) -> None:
+    """Put the adapter-carrying linears into the slots ``lora`` targets (megatron's spec extension points)."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[import-untyped]
+
+    from miles_megatron.lora_layers import LoraColumnParallelLinear, LoraRowParallelLinear
+
+    for layer in layers:
+        attention = layer.submodules.self_attention.submodules
+        mlp = layer.submodules.mlp.submodules
+        qkv = lora.linear(model, "self_attention.linear_qkv")
+        if qkv is not None:  # constructed by a direct call, not build_module: a partial keeps its argument
+            attention.linear_qkv = functools.partial(LoraColumnParallelLinear, lora=qkv)
+        for owner, attr, slot, cls in (
+            (attention, "linear_proj", "self_attention.linear_proj", LoraRowParallelLinear),
+            (mlp, "linear_fc1", "mlp.linear_fc1", LoraColumnParallelLinear),
+            (mlp, "linear_fc2", "mlp.linear_fc2", LoraRowParallelLinear),
+        ):
+            linear = lora.linear(model, slot)
+            if linear is not None:
+                setattr(owner, attr, ModuleSpec(module=cls, params={"lora": linear}))
 
 
 def gpt_model(
@@ -163,12 +198,13 @@ def gpt_model(
     *,
     cpu: bool = False,
     core_attention: Literal["sdpa", "megatron"] = "sdpa",
+    lora: LoraPlan | None = None,
     **kwargs: Any,
 ) -> GPTModel:
     """megatron-core's GPT model for ``model`` (needs ``parallel_state`` initialised for ``config``'s layout).
 
     ``cpu``: the model that runs on the CPU (``miles_megatron.cpu``: its rotary embedding), for
-    ``megatron.device: cpu``; ``core_attention``: as :func:`layer_spec`."""
+    ``megatron.device: cpu``; ``core_attention`` and ``lora``: as :func:`layer_spec`."""
     from megatron.core.models.gpt import GPTModel
 
     model_class: type[GPTModel] = GPTModel
@@ -179,7 +215,9 @@ def gpt_model(
     args = gpt_args(model)
     return model_class(
         config=config,
-        transformer_layer_spec=layer_spec(model, config, spec, cpu=cpu, core_attention=core_attention),
+        transformer_layer_spec=layer_spec(
+            model, config, spec, cpu=cpu, core_attention=core_attention, lora=lora
+        ),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_sequence_length,
         position_embedding_type="rope",

@@ -61,6 +61,7 @@ from miles.interfaces import (
 )
 from miles.lr_schedule import decay_steps, lr_multiplier
 from miles.routing import ROUTING_MISMATCH
+from miles_megatron import lora as lora_mod
 from miles_megatron.batch import OLD_LOGPROBS, MicroBatch, Row, collate, token_logprobs
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import Spec, hf_to_megatron
@@ -150,6 +151,9 @@ class MegatronTrainer:
 
         self.hf = HFModel.from_dir(spec.model_path)
         self.dtype = DTYPES[options.params_dtype]
+        # LoRA: adapters in the planned linears, the base frozen; only the adapter trains, is saved and sent.
+        lora_section = lora_mod.section(spec.config)
+        self.lora = None if lora_section is None else lora_mod.plan(self.hf, lora_section)
         replay = train.use_rollout_routing_replay
         if replay and not supports_replay():
             raise ComponentError(
@@ -169,11 +173,17 @@ class MegatronTrainer:
             layer_spec,
             cpu=not self.cuda,
             core_attention=options.core_attention or "sdpa",
+            lora=self.lora,
         ).to(self.device)
         # MoE: the routers count where their top-k differs from the routing the rollout recorded and,
         # with replay on, route as it did (R3; miles_megatron.routing).
         self.routing = RouterHooks(routers_of(gpt), replay=replay) if self.hf.is_moe else None
         self._load_weights(gpt, self.hf, spec.model_path)
+        if self.lora is not None:
+            from miles_megatron.lora_layers import freeze_base, init_adapters
+
+            freeze_base(gpt)
+            init_adapters(gpt, spec.seed)
         self.gpt = gpt
         # Frozen scorers (reference policy, teacher), built only when the objective reads them.
         self.scorers: dict[str, Any] = {
@@ -217,7 +227,8 @@ class MegatronTrainer:
         full = hf_to_megatron(hf, load_hf_tensors(path), self.layer_spec)
         state = {k: v.to(self.dtype) for k, v in shard_for_rank(hf, self.layout, self.rank, full).items()}
         result = gpt.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        # The adapters are not in the base checkpoint (they start from their own init).
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state") and ".lora_" not in k]
         if missing or result.unexpected_keys:
             raise ModelError(
                 f"megatron: the converted weights of {path} do not fit the model: missing {missing[:5]}, "
@@ -340,6 +351,8 @@ class MegatronTrainer:
         transport.connect(
             list(self.spec.engine_urls), rank=self.rank, world_size=self.layout.world, device=str(self.device)
         )
+        if self.lora is not None:
+            lora_mod.serve_adapter(self, transport)
         if getattr(transport, "wants_base_weights", False):
             with torch.no_grad():
                 transport.seed(self.weight_stream(), 0)  # type: ignore[attr-defined]
@@ -626,7 +639,10 @@ class MegatronTrainer:
         return shards
 
     def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's stage in HF names and layouts (TP shards gathered through the layout's groups)."""
+        """This rank's stage in HF names and layouts (TP shards gathered through the layout's groups);
+        under LoRA only the adapter, under the names the engines hold it by (``lora.engine_stream``)."""
+        if self.lora is not None:
+            return lora_mod.engine_stream(self)
         state = self.gpt.state_dict(keep_vars=False)
         return iter_export(self.hf, self.layout, self.rank, state, self._gather, self.layer_spec)
 
@@ -642,6 +658,9 @@ class MegatronTrainer:
         from safetensors.torch import save_file
 
         os.makedirs(directory, exist_ok=True)
+        if self.lora is not None:  # a peft adapter directory (and the base's tokenizer files)
+            lora_mod.export_adapter(self, directory, TOKENIZER_FILES)
+            return
         with torch.no_grad():
             tensors = {name: t.detach().to("cpu").clone() for name, t in self.weight_stream()}
         if self.rank != 0:
@@ -661,6 +680,8 @@ class MegatronTrainer:
 
     def _sharded_state(self, loading: bool) -> dict[str, Any]:
         model_sd = self.gpt.sharded_state_dict()
+        if self.lora is not None:  # only the adapter (the base is the HF directory, loaded again)
+            model_sd = {k: v for k, v in model_sd.items() if ".lora_" in k}
         return {
             "model": model_sd,
             "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading),
@@ -695,7 +716,7 @@ class MegatronTrainer:
         tensors = {
             k: v.detach().contiguous()
             for k, v in self.gpt.state_dict().items()
-            if isinstance(v, torch.Tensor)
+            if isinstance(v, torch.Tensor) and (self.lora is None or ".lora_" in k)
         }
         save_file(tensors, os.path.join(directory, "model.safetensors"))
         torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
@@ -705,7 +726,11 @@ class MegatronTrainer:
 
         tensors = load_file(os.path.join(directory, "model.safetensors"))
         result = self.gpt.load_state_dict(tensors, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        missing = [  # a LoRA checkpoint holds only the adapter
+            k
+            for k in result.missing_keys
+            if not k.endswith("._extra_state") and (self.lora is None or ".lora_" in k)
+        ]
         if missing or result.unexpected_keys:
             raise ComponentError(
                 f"checkpoint {directory} does not fit this model: missing {missing[:5]}, "
@@ -723,6 +748,9 @@ class MegatronTrainer:
                         "world": self.layout.world,
                         "optimizer": optimizer,
                         "optimizer_steps": self.optimizer_steps,
+                        "lora": None
+                        if self.lora is None
+                        else lora_mod.record(self.lora, self.spec.model_path),
                         "critic": self.critic is not None,
                     },
                     f,
@@ -791,7 +819,7 @@ class MegatronTrainer:
         from megatron.core import dist_checkpointing
 
         loaded = dist_checkpointing.load(self._sharded_state(loading=True), os.path.join(directory, "dist"))
-        self.gpt.load_state_dict(loaded["model"])
+        self.gpt.load_state_dict(loaded["model"], strict=self.lora is None)
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.optimizer_steps = int(marker["optimizer_steps"])
         if self.critic is not None:

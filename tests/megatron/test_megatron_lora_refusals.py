@@ -1,0 +1,121 @@
+"""LoRA recipes the Megatron backend cannot run are refused in one sentence, before anything starts;
+the ones it runs pass the pre-flight (``miles config validate --check``)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from miles.config.schema import LoraSection
+from miles.errors import ConfigError
+from miles_megatron.config import MegatronOptions
+from miles_megatron.hf_config import HFModel
+from miles_megatron.lora import option_problems, plan
+
+RAW = dict(
+    model_type="qwen3",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+QWEN3 = HFModel.from_dict(RAW)
+
+
+def _validate(*sets: str) -> tuple[int, list[str]]:
+    from miles.cli import cli
+
+    base = ["backend=megatron", "megatron.device=cpu", "warm_start=null", "eval=null"]
+    result = CliRunner().invoke(
+        cli, ["config", "validate", "--check"] + [a for s in [*base, *sets] for a in ("--set", s)]
+    )
+    return result.exit_code, [line for line in result.output.splitlines() if line.strip()]
+
+
+def test_a_lora_recipe_on_megatron_passes_the_pre_flight():
+    code, lines = _validate("lora.rank=8", 'lora.target_modules=["q_proj", "v_proj", "down_proj"]')
+    assert code == 0, lines
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["megatron.layer_spec=te"], "lora needs megatron.layer_spec local"),
+        (["megatron.optimizer_streaming=true"], "megatron.optimizer_streaming is not built for lora"),
+        (
+            ["megatron.num_ranks=2", "megatron.tensor_parallel=2", "lora.dropout=0.1"],
+            "lora.dropout 0.1 with megatron.tensor_parallel 2",
+        ),
+        (["transport=disk-delta"], "transport 'disk-delta' cannot carry a LoRA adapter"),
+        (
+            ['lora={"adapters": {"math": {"rank": 4}, "code": {"rank": 2}}}'],
+            "backend 'megatron' cannot train several adapters at once",
+        ),
+    ],
+)
+def test_what_megatron_lora_cannot_run_is_refused_in_one_line(sets, message):
+    code, lines = _validate("lora.rank=8", *sets)
+    assert code == 1, lines
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_the_plan_maps_hf_targets_to_megatron_slots():
+    lora = LoraSection(target_modules=["q_proj", "self_attn.v_proj", "mlp.up_proj", "down_proj"])
+    p = plan(QWEN3, lora)
+    assert p.slots == {
+        "self_attention.linear_qkv": ("q_proj", "v_proj"),
+        "mlp.linear_fc1": ("up_proj",),
+        "mlp.linear_fc2": ("down_proj",),
+    }
+    qkv = p.linear(QWEN3, "self_attention.linear_qkv")
+    assert (
+        qkv is not None
+        and qkv.rows == (32, 16, 16)
+        and qkv.groups == 2
+        and qkv.targeted == ("q_proj", "v_proj")
+    )
+    assert p.linear(QWEN3, "self_attention.linear_proj") is None
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (
+            ["q_proj", "qkv"],
+            r"\['qkv'\] match no linear module of the qwen3 model; its linear modules are .*'o_proj'",
+        ),
+        (["lm_head"], r"does not adapt \['lm_head'\]"),
+        (["model.layers.0.self_attn.q_proj"], r"adapts q_proj in layers \[0\] only"),
+    ],
+)
+def test_targets_megatron_does_not_adapt_are_refused(targets, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(QWEN3, LoraSection(target_modules=targets))
+
+
+def test_moe_models_and_several_adapters_are_refused_by_the_plan():
+    moe = HFModel.from_dict(
+        {
+            **RAW,
+            "model_type": "qwen3_moe",
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+        }
+    )
+    with pytest.raises(ConfigError, match="adapts dense models only"):
+        plan(moe, LoraSection())
+    with pytest.raises(ConfigError, match="the megatron backend trains one adapter"):
+        plan(QWEN3, LoraSection(adapters={"math": {"rank": 4}}))  # type: ignore[dict-item]
+
+
+def test_option_problems_are_one_sentence_each():
+    lora = LoraSection(dropout=0.1)
+    options = MegatronOptions(device="cpu", optimizer_streaming=True, num_ranks=2, tensor_parallel=2)
+    problems = option_problems(options, lora, "te")
+    assert len(problems) == 3 and all(p.count(";") <= 1 for p in problems)
