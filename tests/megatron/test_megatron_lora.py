@@ -204,3 +204,23 @@ def test_tensor_parallel_lora_on_gloo_trains_the_same_adapter(base, tmp_path):
         # Summation order differs between the layouts (2026-12-07: at most 1.1e-6 apart).
         assert torch.allclose(one[name], two[name], atol=5e-6), name
     assert_close(ours, peft_logprobs(base, exports[2], batches[0].samples), 1e-5)
+
+
+def test_qwen2_with_biases_and_tied_embeddings_exports_what_it_trains(tmp_path):
+    """Qwen2 (q/k/v biases, tied embeddings), the fused linears' middle parts only (k of linear_qkv, up of
+    linear_fc1), adapter dropout in training: the export equals the trainer under peft (both in eval mode)."""
+    base = make_checkpoint("qwen2", tmp_path / "qwen2", tie_word_embeddings=True)
+    batch = make_batch(4, seed=7)
+    backend = MegatronBackend()
+    backend.setup(lora_spec(base, ["k_proj", "up_proj"], dropout=0.1))
+    try:
+        backend.train_step(batch)
+        backend.export_hf(str(tmp_path / "final"))
+        ours = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
+    finally:
+        backend.shutdown()
+    adapter = load_file(str(tmp_path / "final" / "adapter_model.safetensors"))
+    assert {n.split(".")[-3] for n in adapter} == {"k_proj", "up_proj"}
+    assert json.loads((tmp_path / "final" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    assert all(float(t.abs().max()) > 0 for n, t in adapter.items() if ".lora_B." in n)
+    assert_close(ours, peft_logprobs(base, tmp_path / "final", batch.samples), 1e-5)
