@@ -90,6 +90,7 @@ def _assert_token_exact(rec: _Trained, family, tokenizer) -> None:
             assert sample.status.value == "completed" and sample.reward == 1.0
 
 
+@pytest.mark.extended
 def test_multi_turn_run_trains_on_the_episodes(tool_model, tmp_path) -> None:
     family, tokenizer, model_dir = tool_model
     config = _recipe(

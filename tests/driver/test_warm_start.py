@@ -81,6 +81,7 @@ class _StopWarmStartOnce:
             raise KeyboardInterrupt
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_an_interrupted_warm_start_resumes_from_its_checkpoint_then_rl_starts_from_its_policy(tmp_path):
     from miles.loop import train

@@ -51,6 +51,7 @@ def one_engine(tmp_path_factory):
     return _run(config, Plan([Fault(signal.SIGKILL, step=0, engine=0, where="rollout")]))
 
 
+@pytest.mark.extended
 def test_the_only_engine_killed_requests_wait_for_its_restart(one_engine):
     out = one_engine
     assert out.error is None

@@ -73,6 +73,7 @@ def _engine_pids(sid: int) -> list[int]:
     return [int(r[1]) for r in rows if r[0] == str(sid) and "miles.engines.embedded" in r[2]]
 
 
+@pytest.mark.extended
 def test_engine_killed_and_driver_interrupted_in_one_run_lose_and_repeat_no_prompt(tmp_path):
     run_dir = tmp_path / "chaos"
     metrics = run_dir / "metrics.jsonl"

@@ -91,6 +91,7 @@ def test_fully_async_run_trains_within_the_staleness_limit_and_evaluates(small_r
     assert len(_rows(f"{result.run_dir}/eval.jsonl")) == 3
 
 
+@pytest.mark.extended
 def test_abort_update_mode_drops_the_interrupted_groups(small_run):
     config = small_run(
         "run.num_steps=4",

@@ -86,7 +86,7 @@ def test_distillation_from_an_in_process_teacher(small_run, sft_model) -> None:
     assert all(math.isfinite(r["distill/teacher_logprob_mean"]) for r in rows)
 
 
-@pytest.mark.parametrize("top_k", [0, 3])
+@pytest.mark.parametrize("top_k", [0, pytest.param(3, marks=pytest.mark.extended)])
 def test_distillation_from_a_served_teacher(small_run, sft_model, top_k) -> None:
     """The run launches the teacher's engine itself, checks its tokenizer, and scores every trajectory."""
     result = train(

@@ -64,6 +64,7 @@ def disk_delta_run(tmp_path_factory) -> Outcome:
     return _run(config, Plan([Fault(signal.SIGKILL, step=2, engine=0, where="rollout")]))
 
 
+@pytest.mark.extended
 def test_disk_delta_the_caught_up_engine_takes_the_next_delta(disk_delta_run):
     out = disk_delta_run
     _check_caught_up(out)

@@ -63,6 +63,7 @@ def test_lora_grpo_run_trains_the_adapter_and_serves_it(tmp_path):
     assert trained[-1]["train/entropy"] < trained[0]["train/entropy"]
 
 
+@pytest.mark.extended
 def test_lora_grpo_run_on_the_paged_engine_path(tmp_path):
     """The same run, 3 steps, with the engine on its paged KV path (adapter slots, radix cache per
     adapter, overlapped decoding): every update is the adapter's bytes, checked, and the engine's

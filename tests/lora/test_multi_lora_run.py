@@ -127,6 +127,7 @@ def test_two_adapters_train_in_one_run(tmp_path):
     assert sorted(model.peft_config) == ["code", "math"]
 
 
+@pytest.mark.extended
 def test_two_adapters_on_the_paged_engine_path(tmp_path):
     """Two steps of the same run with the engine on its paged KV path: both adapters sit in slots of
     one engine, each adapter's rollouts are served by it as trained so far (log-probs equal the

@@ -26,7 +26,9 @@ def _steps(backend, batches) -> list[dict[str, float]]:
     return [backend.train_step(b) for b in batches]
 
 
-@pytest.mark.parametrize("num_ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "num_ranks", [pytest.param(1, marks=pytest.mark.extended), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_ray_ranks_train_like_local_processes(tiny_model, backend_factory, ray_cluster, num_ranks):
     batches = [make_batch(5, seed=21, step=0), make_batch(5, seed=22, step=1)]
     local = backend_factory(make_spec(tiny_model, num_ranks))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 def test_fully_async_run_on_a_ray_cluster(ray_address: str, tmp_path) -> None:

@@ -31,6 +31,7 @@ class _Kill:
             raise KeyboardInterrupt("simulated kill")
 
 
+@pytest.mark.extended
 def test_resumed_run_continues_the_same_wandb_and_mlflow_run(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
