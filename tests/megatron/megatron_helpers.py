@@ -74,3 +74,84 @@ def make_batch(n: int = 5, seed: int = 0, step: int = 0, vocab: int = 96, positi
         )
         advantages.append([1.0 if positive else rng.choice([-1.0, 0.5, 1.0])] * r)
     return TrainBatch(samples=samples, advantages=advantages, step=step)
+
+
+# A reward that spreads every group's samples (a hash of the response in [0, 1)), so a random-weight
+# model has a gradient at every step (an exact-match reward gives it none) and returns differ.
+SPREAD_REWARD = """
+import hashlib
+
+
+def score(sample):
+    return int.from_bytes(hashlib.sha256(sample.response_text.encode()).digest()[:4], "big") / 2**32
+"""
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl``."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def cpu_run_config(tmp_path: Path, monkeypatch: Any, steps: int, *overrides: str) -> Any:
+    """The default recipe, small, with the spread reward and ``backend: megatron`` on CPU (float32), writing
+    into ``tmp_path``; ``overrides`` come last. The reward's module is put on ``sys.path`` for the run."""
+    from miles.config import load_recipe
+
+    modules = tmp_path / "modules"
+    if not (modules / "megatron_spread_reward.py").is_file():
+        modules.mkdir(exist_ok=True)
+        (modules / "megatron_spread_reward.py").write_text(SPREAD_REWARD)
+        monkeypatch.syspath_prepend(str(modules))
+    base = [
+        f"run.output_dir={tmp_path}",
+        f"run.num_steps={steps}",
+        "run.save_every=2",
+        "warm_start=null",
+        "eval=null",
+        "tracking.console=false",
+        "rollout.filters=[]",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.reward=megatron_spread_reward:score",
+        "backend=megatron",
+        'megatron={"device": "cpu", "params_dtype": "float32"}',
+    ]
+    return load_recipe("default", [*base, *overrides])
+
+
+def cuda_run(tmp_path: Path, *overrides: str) -> tuple[list[dict[str, Any]], str]:
+    """``miles run`` (a subprocess) of the default recipe, small, with ``backend: megatron`` on one GPU and the
+    engine there too; ``overrides`` come last. Returns the metrics rows and the run directory."""
+    import os
+    import subprocess
+    import sys
+
+    sets = [
+        "backend=megatron",
+        "megatron.params_dtype=float32",
+        "transport=colocated",
+        "engine.device=cuda",
+        "warm_start=null",
+        "eval=null",
+        "run.num_steps=3",
+        "run.save_every=3",
+        f"run.output_dir={tmp_path}/runs",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.filters=[]",
+        "rollout.reward=numeric_closeness",
+        "train.micro_batch_size=16",
+        "tracking.console=false",
+        "weight_sync.check_equal=true",
+        *overrides,
+    ]
+    cmd = [sys.executable, "-m", "miles", "run"] + [a for s in sets for a in ("--set", s)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=tmp_path)
+    text = out.stdout[-4000:] + out.stderr[-8000:]
+    assert out.returncode == 0, text
+    runs = [dp for dp, _, files in os.walk(tmp_path / "runs") if "metrics.jsonl" in files]
+    assert len(runs) == 1, text
+    return read_rows(os.path.join(runs[0], "metrics.jsonl")), runs[0]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from megatron_helpers import make_batch, make_checkpoint
+from megatron_helpers import cpu_run_config, make_batch, make_checkpoint, read_rows
 
 from miles.errors import ComponentError
 from miles.interfaces import BackendSpec
@@ -31,11 +31,6 @@ def _spec(path) -> BackendSpec:
             "megatron": {"device": "cpu", "params_dtype": "float32"},
         },
     )
-
-
-def _rows(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _params(backend) -> dict[str, torch.Tensor]:
@@ -82,45 +77,14 @@ def test_a_cpu_checkpoint_resumes_bit_for_bit_and_a_cuda_one_is_refused(tmp_path
         resumed.shutdown()
 
 
-# A reward that spreads every group's samples (a hash of the response in [0, 1)), so a random-weight
-# model has a gradient at every step (an exact-match reward gives it none).
-SPREAD_REWARD = """
-import hashlib
-
-
-def score(sample):
-    return int.from_bytes(hashlib.sha256(sample.response_text.encode()).digest()[:4], "big") / 2**32
-"""
-
-
 def test_miles_run_trains_with_megatron_on_cpu_and_resumes(tmp_path, monkeypatch):
-    from miles.config import load_recipe
     from miles.loop import train
 
-    modules = tmp_path / "modules"
-    modules.mkdir()
-    (modules / "megatron_run_spread_reward.py").write_text(SPREAD_REWARD)
-    monkeypatch.syspath_prepend(str(modules))
-
     def config(steps: int):
-        overrides = [
-            f"run.output_dir={tmp_path}",
-            f"run.num_steps={steps}",
-            "run.save_every=2",
-            "warm_start=null",
-            "eval=null",
-            "tracking.console=false",
-            "rollout.filters=[]",
-            "rollout.prompts_per_step=4",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.reward=megatron_run_spread_reward:score",
-            "backend=megatron",
-            'megatron={"device": "cpu", "params_dtype": "float32"}',
-        ]
-        return load_recipe("default", overrides)
+        return cpu_run_config(tmp_path, monkeypatch, steps)
 
     result = train(config(3))
-    rows = _rows(result.metrics_path)
+    rows = read_rows(result.metrics_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["train/grad_norm"] > 0 for r in rows)
     # The engine served the weights the megatron trainer exported after each update.
@@ -129,6 +93,6 @@ def test_miles_run_trains_with_megatron_on_cpu_and_resumes(tmp_path, monkeypatch
     assert (tmp_path / "default" / "final" / "model.safetensors").is_file()
 
     result = train(config(4), resume=True)
-    rows = _rows(result.metrics_path)
+    rows = read_rows(result.metrics_path)
     assert [r["step"] for r in rows][-2:] == [2, 3]  # from the step-2 checkpoint
     assert rows[-1]["correction/abs_dev"] < 1e-4

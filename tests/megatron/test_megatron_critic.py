@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from megatron_helpers import make_batch, make_checkpoint
+from megatron_helpers import cpu_run_config, make_batch, make_checkpoint, read_rows
 from safetensors.torch import load_file, save_file
 
 from miles.errors import ComponentError, ConfigError
@@ -296,53 +296,17 @@ def test_what_the_critic_cannot_run_is_refused_in_one_sentence(tmp_path):
         MegatronBackend().setup(_spec(path, critic=small))
 
 
-# A reward that spreads every group's samples (a hash of the response in [0, 1)), so returns differ.
-SPREAD_REWARD = """
-import hashlib
-
-
-def score(sample):
-    return int.from_bytes(hashlib.sha256(sample.response_text.encode()).digest()[:4], "big") / 2**32
-"""
-
-
-def _rows(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def test_miles_run_trains_a_ppo_critic_with_megatron_on_cpu_and_resumes_it(tmp_path, monkeypatch):
     import math
 
-    from miles.config import load_recipe
     from miles.loop import train
 
-    modules = tmp_path / "modules"
-    modules.mkdir()
-    (modules / "megatron_critic_spread_reward.py").write_text(SPREAD_REWARD)
-    monkeypatch.syspath_prepend(str(modules))
-
     def config(steps: int):
-        overrides = [
-            f"run.output_dir={tmp_path}",
-            f"run.num_steps={steps}",
-            "run.save_every=2",
-            "warm_start=null",
-            "eval=null",
-            "tracking.console=false",
-            "rollout.filters=[]",
-            "rollout.prompts_per_step=4",
-            "rollout.n_samples_per_prompt=2",
-            "rollout.reward=megatron_critic_spread_reward:score",
-            "algorithm.advantage=ppo",
-            "algorithm.critic={lr: 0.01}",
-            "backend=megatron",
-            'megatron={"device": "cpu", "params_dtype": "float32"}',
-        ]
-        return load_recipe("default", overrides)
+        ppo = ["rollout.n_samples_per_prompt=2", "algorithm.advantage=ppo", "algorithm.critic={lr: 0.01}"]
+        return cpu_run_config(tmp_path, monkeypatch, steps, *ppo)
 
     result = train(config(3))
-    rows = _rows(result.metrics_path)
+    rows = read_rows(result.metrics_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(math.isfinite(r["critic/value_loss"]) and r["critic/grad_norm"] > 0 for r in rows)
     assert rows[0]["critic/values_mean"] == 0.0 and rows[0]["critic/returns_mean"] > 0  # the head starts at 0
@@ -352,6 +316,6 @@ def test_miles_run_trains_a_ppo_critic_with_megatron_on_cpu_and_resumes_it(tmp_p
     assert json.loads(ckpt.read_text())["critic"] is True
 
     result = train(config(4), resume=True)
-    rows = _rows(result.metrics_path)
+    rows = read_rows(result.metrics_path)
     assert [r["step"] for r in rows][-2:] == [2, 3]  # from the step-2 checkpoint
     assert math.isfinite(rows[-1]["critic/value_loss"]) and rows[-1]["critic/values_mean"] != 0.0

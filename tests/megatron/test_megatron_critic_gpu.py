@@ -9,35 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_helpers import make_batch, make_checkpoint
+from megatron_helpers import make_batch
 
 from miles.interfaces import BackendSpec, CriticSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 VALUES = "values"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3-critic"), tie_word_embeddings=False)
-
-
-@pytest.fixture
-def backends():
-    from miles_megatron.backend import MegatronBackend
-
-    started = []
-
-    def start(spec):
-        backend = MegatronBackend()
-        started.append(backend)
-        backend.setup(spec)
-        return backend
-
-    yield start
-    for b in started:
-        b.shutdown()
 
 
 def _spec(path, dtype="float32", critic_lr=1e-2, **megatron) -> BackendSpec:

@@ -11,40 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from megatron_helpers import make_batch, make_checkpoint
+from megatron_helpers import cuda_run, make_batch
 
 from miles.interfaces import BackendSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3-lora"), tie_word_embeddings=False)
-
-
-@pytest.fixture
-def backends():
-    from miles_megatron.backend import MegatronBackend
-
-    started = []
-
-    def start(spec):
-        backend = MegatronBackend()
-        started.append(backend)
-        backend.setup(spec)
-        return backend
-
-    yield start
-    for b in started:
-        b.shutdown()
 
 
 def _spec(path, dtype="bfloat16", lr=2e-2) -> BackendSpec:
@@ -117,42 +93,9 @@ def test_the_export_loads_with_peft_and_a_checkpoint_resumes(tiny, backends, tmp
 
 
 def test_miles_run_with_megatron_lora_on_cuda(tmp_path):
-    sets = [
-        "backend=megatron",
-        "megatron.params_dtype=float32",
-        "megatron.layer_spec=local",
-        "transport=colocated",
-        "engine.device=cuda",
-        "warm_start=null",
-        "eval=null",
-        "run.num_steps=3",
-        "run.save_every=3",
-        f"run.output_dir={tmp_path}/runs",
-        "rollout.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=4",
-        "rollout.filters=[]",
-        "rollout.reward=numeric_closeness",
-        "train.lr=0.01",
-        "train.micro_batch_size=16",
-        "tracking.console=false",
-        "weight_sync.check_equal=true",
-        "lora.rank=8",
-        "lora.alpha=16",
-        f"lora.target_modules={json.dumps(TARGETS)}",
-    ]
-    cmd = [sys.executable, "-m", "miles", "run"] + [a for s in sets for a in ("--set", s)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=tmp_path)
-    text = out.stdout[-4000:] + out.stderr[-8000:]
-    assert out.returncode == 0, text
-    runs = [
-        os.path.join(dp, "metrics.jsonl")
-        for dp, _, files in os.walk(tmp_path / "runs")
-        if "metrics.jsonl" in files
-    ]
-    assert len(runs) == 1, text
-    with open(runs[0]) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    final = os.path.join(os.path.dirname(runs[0]), "final")
+    lora = ["lora.rank=8", "lora.alpha=16", f"lora.target_modules={json.dumps(TARGETS)}"]
+    rows, run_dir = cuda_run(tmp_path, "megatron.layer_spec=local", "train.lr=0.01", *lora)
+    final = os.path.join(run_dir, "final")
     from safetensors.torch import load_file
 
     adapter = load_file(os.path.join(final, "adapter_model.safetensors"))

@@ -8,40 +8,15 @@ embedded engine and the colocated transport finishes (weight-equality check on).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from megatron_helpers import make_batch, make_checkpoint
+from megatron_helpers import cuda_run, make_batch, make_checkpoint
 
 from miles.interfaces import BackendSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_checkpoint("qwen3", tmp_path_factory.mktemp("tiny-qwen3"), tie_word_embeddings=False)
-
-
-@pytest.fixture
-def backends():
-    from miles_megatron.backend import MegatronBackend
-
-    started = []
-
-    def start(spec):
-        backend = MegatronBackend()
-        started.append(backend)
-        backend.setup(spec)
-        return backend
-
-    yield start
-    for b in started:
-        b.shutdown()
 
 
 def _spec(path, dtype="float32", loss="sft", lr=1e-2, megatron=None, **train) -> BackendSpec:
@@ -243,42 +218,12 @@ def test_checkpoint_round_trip_resumes_exactly(tiny, backends, tmp_path):
 
 
 def test_miles_run_with_the_megatron_backend_on_cuda(tmp_path):
-    sets = [
-        "backend=megatron",
-        "megatron.params_dtype=float32",
-        "transport=colocated",
-        "engine.device=cuda",
-        "warm_start=null",
-        "eval=null",
-        "run.num_steps=3",
-        "run.save_every=3",
-        f"run.output_dir={tmp_path}/runs",
-        "rollout.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=4",
-        "rollout.filters=[]",
-        "rollout.reward=numeric_closeness",
-        "train.lr=0.01",
-        "train.micro_batch_size=16",
-        "tracking.console=false",
-        "weight_sync.check_equal=true",
-    ]
-    cmd = [sys.executable, "-m", "miles", "run"] + [a for s in sets for a in ("--set", s)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=tmp_path)
-    text = out.stdout[-4000:] + out.stderr[-8000:]
-    assert out.returncode == 0, text
-    runs = [
-        os.path.join(dp, "metrics.jsonl")
-        for dp, _, files in os.walk(tmp_path / "runs")
-        if "metrics.jsonl" in files
-    ]
-    assert len(runs) == 1, text
-    with open(runs[0]) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows, run_dir = cuda_run(tmp_path, "train.lr=0.01")
     print(
         "megatron run", [{k: r.get(k) for k in ("step", "train/loss", "engine/weight_version")} for r in rows]
     )
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["engine/weight_version"] for r in rows] == [1.0, 2.0, 3.0]
     assert all("train/loss" in r for r in rows)
-    final = os.path.join(os.path.dirname(runs[0]), "final")
+    final = os.path.join(run_dir, "final")
     assert os.path.isfile(os.path.join(final, "model.safetensors"))

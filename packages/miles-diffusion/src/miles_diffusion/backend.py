@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+import miles.lora
 from miles.config.schema import LoraSection, TrainSection
 from miles.errors import ConfigError
 from miles.interfaces import BackendSpec, Transport, TransportStats
@@ -111,7 +112,7 @@ class DiffusionBackend:
         model = load_pretrained(spec.model_path)
         if section.deterministic:
             check_attention_backends(model)
-        self._lora = lora_mod.section(run)
+        self._lora = miles.lora.section(run)
         if self._lora is not None:
             # peft injects the adapter into ``model`` itself: the objectives train it as before,
             # and only the adapter's parameters require gradients (the optimizer takes only those).

@@ -38,12 +38,6 @@ MERGEABLE = (nn.Linear, nn.Conv2d)
 _FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 
 
-def section(config: dict[str, Any] | None) -> LoraSection | None:
-    """The run's ``lora`` section (None: full-weight training)."""
-    raw = (config or {}).get("lora")
-    return None if raw is None else LoraSection.model_validate(raw)
-
-
 def tensor_name(module: str, factor: str, adapter: str) -> str:
     """The engine's name of one factor: ``unet.mid_block.resnets.0.conv1.lora_A.<adapter>.weight``."""
     return f"{module}.lora_{factor}.{adapter}.weight"

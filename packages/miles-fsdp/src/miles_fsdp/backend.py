@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+import miles.lora
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import BackendSpec, TransportStats
@@ -121,7 +122,7 @@ class FSDPBackend:
             validate_component_ref("correction", spec.correction)
         from miles_fsdp import lora
 
-        lora_opts = lora.section(spec.config)
+        lora_opts = miles.lora.section(spec.config)
         if lora_opts is not None:
             for name, shape in lora_opts.named().items():  # on the meta device: nothing is loaded
                 field = f"lora.adapters.{name}.target_modules" if lora_opts.multi else "lora.target_modules"
@@ -132,7 +133,7 @@ class FSDPBackend:
             # Built (not connected) here too, so a wrong transport option is one clear error, not one per rank.
             transport = make_component("transport", spec.transport, dict(spec.transport_options))
             if lora_opts is not None and not getattr(transport, "carries_adapters", False):
-                raise ConfigError(lora.transport_refusal(spec.transport))
+                raise ConfigError(miles.lora.transport_refusal(spec.transport))
         self.spec = spec
         self._offloaded = False
         self._kind = None

@@ -49,7 +49,7 @@ def _check_lora_transport(config: Any) -> None:
     if getattr(config, "lora", None) is None or config.backend != "fsdp" or config.mode != "rl":
         return
     from miles._plugins.components import load_component
-    from miles_fsdp.lora import transport_refusal
+    from miles.lora import transport_refusal
 
     transport = load_component("transport", config.transport)
     if not getattr(transport, "carries_adapters", False):

@@ -26,25 +26,20 @@ from torch.distributed.tensor import DTensor
 
 from miles.config.schema import LoraSection, LoraShape
 from miles.errors import ConfigError, ModelError
+from miles.lora import (
+    check_same_base,
+    matches,
+    section,
+)
 
 PEFT_ADAPTER = "default"  # the adapter name inside the trainer's peft model
 _PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def section(config: dict[str, Any] | None) -> LoraSection | None:
-    """The run's ``lora`` section (None: full-parameter training)."""
-    raw = (config or {}).get("lora")
-    return None if raw is None else LoraSection.model_validate(raw)
-
-
 def linear_module_names(model: nn.Module) -> list[str]:
     """Every ``nn.Linear`` in the model, by its module path."""
     return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name]
-
-
-def _matches(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target)
 
 
 def check_targets(model_path: str, lora: LoraShape, field: str = "lora.target_modules") -> list[str]:
@@ -55,14 +50,14 @@ def check_targets(model_path: str, lora: LoraShape, field: str = "lora.target_mo
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     linears = linear_module_names(model)
-    unknown = [t for t in lora.target_modules if not any(_matches(n, t) for n in linears)]
+    unknown = [t for t in lora.target_modules if not any(matches(n, t) for n in linears)]
     if unknown:
         kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise ConfigError(
             f"{field} {unknown} match no linear module of {type(model).__name__}; its linear "
             f"modules are {kinds} (full paths such as {linears[0]!r})"
         )
-    return [n for n in linears if any(_matches(n, t) for t in lora.target_modules)]
+    return [n for n in linears if any(matches(n, t) for t in lora.target_modules)]
 
 
 def peft_names(lora: LoraSection) -> dict[str, str]:
@@ -193,49 +188,6 @@ def save_adapter(
 def adapter_dir(directory: str, lora: LoraSection, adapter: str) -> str:
     """Where an export holds ``adapter``: the directory itself (single form) or ``<directory>/<adapter>``."""
     return os.path.join(directory, adapter) if lora.multi else directory
-
-
-def base_reference(model_path: str) -> dict[str, str]:
-    """The base a LoRA checkpoint belongs to: its path and an xxh3-128 digest of its config and weights."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    names = sorted(
-        n for n in os.listdir(model_path) if n == "config.json" or n.endswith((".safetensors", ".bin"))
-    )
-    for name in names:
-        h.update(name.encode())
-        with open(os.path.join(model_path, name), "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    return {"path": os.path.abspath(model_path), "digest": h.hexdigest()}
-
-
-def check_same_base(saved: dict[str, str] | None, model_path: str, checkpoint: str) -> None:
-    """Refuse resuming a LoRA checkpoint on another base model (or a full checkpoint as LoRA)."""
-    if saved is None:
-        raise ModelError(
-            f"checkpoint {checkpoint} holds no LoRA adapter (it was written by a full-parameter run); "
-            "resume it without a lora section"
-        )
-    current = base_reference(model_path)
-    if saved.get("digest") != current["digest"]:
-        raise ModelError(
-            f"checkpoint {checkpoint} holds a LoRA adapter trained on base {saved.get('path')!r} "
-            f"(digest {saved.get('digest')}), but this run's base {current['path']!r} has digest "
-            f"{current['digest']}; resume on the same base model"
-        )
-
-
-# Transports whose engines can receive an adapter by name (the others say so with ``carries_adapters``).
-CARRYING_TRANSPORTS = ("broadcast", "colocated")
-
-
-def transport_refusal(transport: str) -> str:
-    return (
-        f"lora: transport {transport!r} cannot carry a LoRA adapter (p2p and disk-delta move whole base "
-        f"tensors); use one of {list(CARRYING_TRANSPORTS)}"
-    )
 
 
 def check_checkpoint(directory: str, spec: Any) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import miles.lora
 from miles.config.schema import TrainSection
 from miles.errors import ComponentError
 from miles.interfaces import (
@@ -93,7 +94,7 @@ class RankTrainer:
         if self.opts.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # LoRA: the base is frozen and only the adapter trains, is checkpointed and is sent to engines.
-        self.lora = lora_mod.section(spec.config)
+        self.lora = miles.lora.section(spec.config)
         trained: nn.Module = policy if self.lora is None else lora_mod.wrap(policy, self.lora)
         if self.opts.logprob_projection == "chunked":
             check_projectable(trained, "policy")
@@ -628,7 +629,7 @@ class RankTrainer:
             extra["lora"] = {
                 "name": self.lora.name,
                 "adapters": list(self.adapters),
-                "base": lora_mod.base_reference(self.spec.model_path) if self.rank == 0 else None,
+                "base": miles.lora.base_reference(self.spec.model_path) if self.rank == 0 else None,
             }
         checkpoint.save(directory, self.parts, extra)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+import miles.lora
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, VALUES, BackendSpec, TransportStats
@@ -163,7 +164,7 @@ class MegatronBackend:
             layout.check_model(ModelShape.of(HFModel.from_dir(path)))
         layer_spec = resolve_layer_spec(options)
         problems = refusals(spec, train, options, layer_spec)
-        lora_section = lora_mod.section(spec.config)
+        lora_section = miles.lora.section(spec.config)
         if lora_section is not None:
             problems += lora_mod.option_problems(options, lora_section, layer_spec)
         if spec.critic is not None:  # PPO's value model, on the policy's layout (miles_megatron.critic)

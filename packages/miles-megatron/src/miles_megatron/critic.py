@@ -242,36 +242,12 @@ class MegatronCritic:
 
     def _megatron_optimizer(self) -> None:
         """megatron's DDP around the critic and its optimizer (CUDA), as the policy's."""
-        from megatron.core.distributed import (  # type: ignore[import-untyped]
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # type: ignore[import-untyped]
+        from miles_megatron.optim import megatron_adam, megatron_ddp
 
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        self.model = megatron_ddp(self.config, self.gpt)
+        self.optimizer = megatron_adam(
+            self.config, self.model, self.train_opts, self.critic_spec.lr, self.dtype
         )
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.gpt)
-        self.config.no_sync_func = self.model.no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
-        train, bf16 = self.train_opts, self.dtype == torch.bfloat16
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=self.critic_spec.lr,
-                weight_decay=train.weight_decay,
-                adam_beta1=train.betas[0],
-                adam_beta2=train.betas[1],
-                adam_eps=train.eps,
-                clip_grad=train.grad_clip or 0.0,
-                bf16=bf16,
-                params_dtype=self.dtype,
-                use_distributed_optimizer=False,
-            ),
-            [self.model],
-        )
-        self.config.grad_scale_func = self.optimizer.scale_loss if bf16 else None
 
     # ---------------------------------------------------------------- passes
 

@@ -28,6 +28,12 @@ from typing import Any, Literal
 
 from miles.config.schema import LoraSection, LoraShape
 from miles.errors import ConfigError, ModelError
+from miles.lora import (
+    base_reference,
+    check_same_base,
+    matches,
+    transport_refusal,
+)
 from miles_megatron.config import MegatronOptions
 from miles_megatron.hf_config import HFModel
 
@@ -138,12 +144,6 @@ def option_problems(options: MegatronOptions, lora: LoraSection, layer_spec: str
     return out
 
 
-def section(config: dict[str, Any] | None) -> LoraSection | None:
-    """The run's ``lora`` section (None: full-parameter training)."""
-    raw = (config or {}).get("lora")
-    return None if raw is None else LoraSection.model_validate(raw)
-
-
 def hf_linear_modules(model: HFModel) -> list[str]:
     """The HF model's linear modules by path (the decoder's projections and ``lm_head``)."""
     out = []
@@ -160,10 +160,6 @@ def hf_linear_modules(model: HFModel) -> list[str]:
     return [*out, "lm_head"]
 
 
-def _matches(name: str, target: str) -> bool:
-    return name == target or name.endswith("." + target)
-
-
 def plan(model: HFModel, lora: LoraSection, field: str = "lora.target_modules") -> LoraPlan:
     """The adapter ``lora`` puts on ``model``; what megatron does not adapt is refused in one sentence."""
     if lora.multi:
@@ -177,14 +173,14 @@ def plan(model: HFModel, lora: LoraSection, field: str = "lora.target_modules") 
             "not built with adapters yet); use backend fsdp for LoRA on a MoE model"
         )
     linears = hf_linear_modules(model)
-    unknown = [t for t in lora.target_modules if not any(_matches(n, t) for n in linears)]
+    unknown = [t for t in lora.target_modules if not any(matches(n, t) for n in linears)]
     if unknown:
         kinds = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise ConfigError(
             f"{field} {unknown} match no linear module of the {model.family} model; its linear modules are "
             f"{kinds} (full paths such as {linears[0]!r})"
         )
-    matched = [n for n in linears if any(_matches(n, t) for t in lora.target_modules)]
+    matched = [n for n in linears if any(matches(n, t) for t in lora.target_modules)]
     other = sorted({n.rsplit(".", 1)[-1] for n in matched} - set(ADAPTABLE))
     if other:
         raise ConfigError(
@@ -284,22 +280,6 @@ def write_peft_dir(directory: str, lora_plan: LoraPlan, base_path: str, tensors:
 # ------------------------------------------------------------------ checkpoints
 
 
-def base_reference(model_path: str) -> dict[str, str]:
-    """The base an adapter checkpoint belongs to: its path and an xxh3-128 digest of its config and weights."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    names = sorted(
-        n for n in os.listdir(model_path) if n == "config.json" or n.endswith((".safetensors", ".bin"))
-    )
-    for name in names:
-        h.update(name.encode())
-        with open(os.path.join(model_path, name), "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    return {"path": os.path.abspath(model_path), "digest": h.hexdigest()}
-
-
 def record(lora_plan: LoraPlan, model_path: str) -> dict[str, Any]:
     """What a checkpoint marker keeps of the adapter (to refuse resuming it as something else)."""
     return {
@@ -333,14 +313,7 @@ def check_checkpoint(
             f"checkpoint {directory} holds a rank-{have[0]} adapter of {have[1]}, but this run trains a "
             f"rank-{want[0]} adapter of {want[1]}; resume with the same lora shape"
         )
-    base = saved.get("base") or {}
-    current = base_reference(model_path)
-    if base.get("digest") != current["digest"]:
-        raise ModelError(
-            f"checkpoint {directory} holds a LoRA adapter trained on base {base.get('path')!r} "
-            f"(digest {base.get('digest')}), but this run's base {current['path']!r} has digest "
-            f"{current['digest']}; resume on the same base model"
-        )
+    check_same_base(saved.get("base") or {}, model_path, directory)
 
 
 # ------------------------------------------------------------------ the trainer's adapter
@@ -428,10 +401,3 @@ def run_dir(config: dict[str, Any] | None) -> str:
     import tempfile
 
     return tempfile.mkdtemp(prefix="miles-megatron-lora-")
-
-
-def transport_refusal(transport: str) -> str:
-    return (
-        f"lora: transport {transport!r} cannot carry a LoRA adapter (p2p and disk-delta move whole base "
-        "tensors); use broadcast or colocated"
-    )

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import miles.lora
 from miles.config.schema import TrainSection
 from miles.errors import ComponentError, ModelError
 from miles.interfaces import (
@@ -152,7 +153,7 @@ class MegatronTrainer:
         self.hf = HFModel.from_dir(spec.model_path)
         self.dtype = DTYPES[options.params_dtype]
         # LoRA: adapters in the planned linears, the base frozen; only the adapter trains, is saved and sent.
-        lora_section = lora_mod.section(spec.config)
+        lora_section = miles.lora.section(spec.config)
         self.lora = None if lora_section is None else lora_mod.plan(self.hf, lora_section)
         replay = train.use_rollout_routing_replay
         if replay and not supports_replay():
@@ -261,19 +262,9 @@ class MegatronTrainer:
 
     def _megatron_ddp(self, gpt: Any) -> None:
         """megatron's DDP around ``gpt`` (CUDA): FP32 ``main_grad`` buffers, reduced by ``finalize_model_grads``."""
-        from megatron.core.distributed import (  # type: ignore[import-untyped]
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
+        from miles_megatron.optim import megatron_ddp
 
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        )
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=gpt)
-        self.config.no_sync_func = self.model.no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = None
+        self.model = megatron_ddp(self.config, gpt)
 
     def _streaming_optimizer(self, gpt: Any, train: TrainSection) -> None:
         """AdamW with its state streamed from disk per bucket (``miles_megatron.streaming``): on CUDA over
@@ -307,26 +298,10 @@ class MegatronTrainer:
 
     def _megatron_optimizer(self, gpt: Any, train: TrainSection) -> None:
         """megatron's DDP around ``gpt`` and its optimizer (CUDA)."""
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # type: ignore[import-untyped]
+        from miles_megatron.optim import megatron_adam
 
         self._megatron_ddp(gpt)
-        bf16 = self.dtype == torch.bfloat16
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=train.lr,
-                weight_decay=train.weight_decay,
-                adam_beta1=train.betas[0],
-                adam_beta2=train.betas[1],
-                adam_eps=train.eps,
-                clip_grad=train.grad_clip or 0.0,
-                bf16=bf16,
-                params_dtype=self.dtype,
-                use_distributed_optimizer=False,
-            ),
-            [self.model],
-        )
-        self.config.grad_scale_func = self.optimizer.scale_loss if bf16 else None
+        self.optimizer = megatron_adam(self.config, self.model, train, train.lr, self.dtype)
 
     def _components(self) -> tuple[Any, Any]:
         from miles.plugins import make_component
