@@ -101,6 +101,9 @@ def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
         "run.name=sig",
         "run.num_steps=200",
         "run.export_hf=false",
+        # The signals land in RL steps: no supervised warm start or evaluation to wait through first.
+        "warm_start=null",
+        "eval=null",
         "rollout.prompts_per_step=4",
         "rollout.n_samples_per_prompt=4",
         "tracking.console=false",
