@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from megatron_helpers import SHAPE
 
 from miles.config.schema import LoraSection
 from miles.errors import ConfigError
@@ -12,18 +13,7 @@ from miles_megatron.config import MegatronOptions
 from miles_megatron.hf_config import HFModel
 from miles_megatron.lora import option_problems, plan
 
-RAW = dict(
-    model_type="qwen3",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-)
+RAW = dict(SHAPE, model_type="qwen3", rope_theta=10000.0)
 QWEN3 = HFModel.from_dict(RAW)
 
 
