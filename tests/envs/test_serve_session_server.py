@@ -4,11 +4,11 @@ Qwen3-vocabulary model (every reply ``Hi<|im_end|>``), driven by the official ``
 from __future__ import annotations
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,36 +39,43 @@ def engine_url(tokenizer, tmp_path_factory) -> Iterator[str]:
         yield url
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _printed_url(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
+    """The URL in the server's "session server for family ... on URL" line, read in a thread so a
+    server that hangs without printing fails the test after ``timeout_s`` instead of blocking it."""
+    seen: list[str] = []
+    found: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            match = re.search(r" on (http://\S+)", line)
+            if match:
+                found.append(match.group(1))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not found:
+        if proc.poll() is not None:
+            pytest.fail(f"miles serve exited {proc.returncode}:\n{''.join(seen)}")
+        pytest.fail(f"miles serve printed no URL within {timeout_s:.0f} s:\n{''.join(seen)}")
+    return found[0]
 
 
 @pytest.fixture()
 def server(engine_url: str) -> Iterator[str]:
     import httpx
 
-    port = _free_port()
+    # --port 0: the server binds a free port itself and prints its URL (a port picked here and
+    # passed in could be taken by another process before the server binds it).
     cmd = [sys.executable, "-m", "miles", "serve", "session-server", "--family", "qwen3"]
-    cmd += ["--engine", engine_url, "--port", str(port), "--max-new-tokens", "8"]
+    cmd += ["--engine", engine_url, "--port", "0", "--max-new-tokens", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"miles serve exited {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("miles serve did not answer /health within 60 s")
-            time.sleep(0.2)
+        url = _printed_url(proc)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -19,6 +19,7 @@ from miles.types import SamplingParams
 from miles_envs.session_server.app import ServerState, create_app
 from miles_envs.session_server.openai_types import ChatMessage, RequestMessages, validate_message
 from miles_envs.sessions import MessageError, SessionStore
+from session_server.conftest import session_server
 
 
 def call(call_id: str, arguments: str | None = '{"q": "x"}') -> dict[str, Any]:
@@ -166,3 +167,18 @@ def test_over_http_resent_histories_are_checked_like_new_ones(qwen3, engine_url)
         assert refused.status_code == 409 and refused.json()["error"]["type"] == "history_diverged"
         assert refused.json()["error"]["message_index"] == 1
         assert httpx.post(chat, json={"messages": history}).status_code == 200
+
+
+def test_a_taken_port_is_one_clear_error_and_port_zero_keeps_the_port_it_was_given(qwen3):
+    import socket
+
+    # No engine is contacted: the server only has to bind.
+    with session_server(qwen3, "http://127.0.0.1:9") as (url, state):
+        port = int(url.rsplit(":", 1)[1])
+        assert port > 0
+        with socket.socket() as probe, pytest.raises(OSError):
+            probe.bind(("127.0.0.1", port))  # the server still holds the port it was given
+        from miles_envs.session_server.serve import serve
+
+        with pytest.raises(RuntimeError, match=rf"cannot bind 127\.0\.0\.1:{port}"), serve(state, port=port):
+            pass

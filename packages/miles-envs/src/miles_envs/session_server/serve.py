@@ -22,13 +22,21 @@ def serve(
     """
     import uvicorn
 
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+    # Bind here and hand uvicorn the socket: a port chosen by the OS (``port=0``) stays ours from
+    # this moment, instead of being released and re-bound, which another process can win.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"the session server cannot bind {host}:{port}: {exc.strerror}") from exc
+    port = sock.getsockname()[1]
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="miles-session-server", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="miles-session-server", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + timeout_s
     while not server.started:
@@ -40,3 +48,4 @@ def serve(
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()
