@@ -405,8 +405,21 @@ class MegatronCritic:
             with open(os.path.join(directory, STEPS_FILE), "w") as f:
                 json.dump({"steps": self.steps}, f)
 
-    def load(self, directory: str, rank_dir: str) -> None:
-        if self.cuda:
+    def load(self, directory: str, rank_dir: str, reshard: Any = None) -> None:
+        """The critic's part of the checkpoint in ``directory``; ``reshard`` (a ``reshard.CPUReshard``): the
+        CPU checkpoint was written under another TP / DP layout and this rank's shards are rebuilt from it
+        (the value head is replicated on every TP rank)."""
+        if reshard is not None:
+
+            def head(name: str) -> bool:
+                return name.startswith("output_layer.")
+
+            tensors = reshard.tensors(CPU_WEIGHTS, replicated=head)
+            self._apply_cpu(directory, tensors)
+            self.optimizer.load_state_dict(
+                reshard.optimizer_state(CPU_OPTIMIZER, self.gpt, self.optimizer, replicated=head)
+            )
+        elif self.cuda:
             from megatron.core import dist_checkpointing
 
             loaded = dist_checkpointing.load(
@@ -417,19 +430,22 @@ class MegatronCritic:
         else:
             from safetensors.torch import load_file
 
-            result = self.gpt.load_state_dict(load_file(os.path.join(rank_dir, CPU_WEIGHTS)), strict=False)
-            missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
-            if missing or result.unexpected_keys:
-                raise ComponentError(
-                    f"checkpoint {directory}: the critic's weights do not fit this critic: missing {missing[:5]}, "
-                    f"unexpected {list(result.unexpected_keys)[:5]}"
-                )
+            self._apply_cpu(directory, load_file(os.path.join(rank_dir, CPU_WEIGHTS)))
             # weights_only: a checkpoint file never runs code when it is read.
             self.optimizer.load_state_dict(
                 torch.load(os.path.join(rank_dir, CPU_OPTIMIZER), weights_only=True)
             )
         with open(os.path.join(directory, STEPS_FILE)) as f:
             self.steps = int(json.load(f)["steps"])
+
+    def _apply_cpu(self, directory: str, tensors: dict[str, torch.Tensor]) -> None:
+        result = self.gpt.load_state_dict(tensors, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise ComponentError(
+                f"checkpoint {directory}: the critic's weights do not fit this critic: missing {missing[:5]}, "
+                f"unexpected {list(result.unexpected_keys)[:5]}"
+            )
 
     def _sharded_state(self, loading: bool) -> dict[str, Any]:
         model_sd = self.gpt.sharded_state_dict()

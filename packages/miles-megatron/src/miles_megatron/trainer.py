@@ -680,7 +680,8 @@ class MegatronTrainer:
             raise ComponentError(
                 f"checkpoint {directory} was written under layout {marker.get('layout')} on "
                 f"{marker.get('world')} rank(s); this run has {self.layout.megatron_kwargs()} on "
-                f"{self.layout.world}: {what} resumes only on the same layout"
+                f"{self.layout.world}: {what} resumes only on the same layout (resume it with the sizes and "
+                "megatron.num_ranks it was written with)"
             )
 
     def _save_cpu(self, directory: str) -> None:
@@ -700,6 +701,32 @@ class MegatronTrainer:
         from safetensors.torch import load_file
 
         tensors = load_file(os.path.join(directory, "model.safetensors"))
+        # weights_only: a checkpoint file never runs code when it is read.
+        optimizer_state = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
+        self._apply_cpu(directory, tensors, optimizer_state)
+
+    def _load_cpu_resharded(self, directory: str, saved: ParallelLayout) -> None:
+        """This rank's shards rebuilt from a CPU checkpoint written under another TP / DP layout
+        (``miles_megatron.reshard``), the critic's with it; a LoRA checkpoint is refused."""
+        from miles_megatron.reshard import CPUReshard
+
+        written = f"TP={saved.tp}, DP={saved.dp} on {saved.world} rank(s)"
+        here = f"TP={self.layout.tp}, DP={self.layout.dp} on {self.layout.world}"
+        if self.lora is not None:
+            raise ComponentError(
+                f"checkpoint {directory} holds a LoRA adapter written under {written}; this run has {here}: "
+                "a LoRA checkpoint resumes only on the layout it was written on (full-parameter CPU "
+                "checkpoints reshard across TP and DP)"
+            )
+        reshard = CPUReshard(directory, saved, self.layout, self.rank)
+        tensors = reshard.tensors("model.safetensors")
+        self._apply_cpu(directory, tensors, reshard.optimizer_state("optimizer.pt", self.gpt, self.optimizer))
+        if self.critic is not None:
+            self.critic.load(directory, self._cpu_dir(directory), reshard)
+
+    def _apply_cpu(
+        self, directory: str, tensors: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+    ) -> None:
         result = self.gpt.load_state_dict(tensors, strict=False)
         missing = [  # a LoRA checkpoint holds only the adapter
             k
@@ -711,8 +738,7 @@ class MegatronTrainer:
                 f"checkpoint {directory} does not fit this model: missing {missing[:5]}, "
                 f"unexpected {list(result.unexpected_keys)[:5]}"
             )
-        # weights_only: a checkpoint file never runs code when it is read.
-        self.optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True))
+        self.optimizer.load_state_dict(optimizer_state)
 
     def _write_marker(self, directory: str, optimizer: str) -> None:
         if self.rank == 0:
@@ -785,10 +811,15 @@ class MegatronTrainer:
                 f"this run has {'one' if self.critic is not None else 'none'}; resume with the same algorithm"
             )
         if not self.cuda:
-            self._check_same_layout(marker, directory, "the CPU trainer's per-rank state")
-            self._load_cpu(self._cpu_dir(directory))
-            if self.critic is not None:
-                self.critic.load(directory, self._cpu_dir(directory))
+            from miles_megatron.reshard import same_layout, saved_layout
+
+            saved = saved_layout(marker)
+            if same_layout(saved, self.layout):  # each rank reads its own files back
+                self._load_cpu(self._cpu_dir(directory))
+                if self.critic is not None:
+                    self.critic.load(directory, self._cpu_dir(directory))
+            else:  # another TP / DP layout: each rank rebuilds its shards from the saved ranks'
+                self._load_cpu_resharded(directory, saved)
             self.optimizer_steps = int(marker["optimizer_steps"])
             return
         from megatron.core import dist_checkpointing
