@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fsdp.helpers import dumped_logprobs, hf_token_logprobs, make_batch, make_spec
-from miles_fsdp.batching import OLD_LOGPROBS, collate, plan_tokens, sample_row
+from miles.train_rows import OLD_LOGPROBS, sample_row
+from miles_fsdp.batching import collate, plan_tokens
 
 
 def test_plan_tokens_respects_the_budget_balances_ranks_and_places_every_sample_once():

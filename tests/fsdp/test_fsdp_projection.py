@@ -7,7 +7,7 @@ import torch
 
 from fsdp.helpers import hf_token_logprobs, make_batch, make_spec
 from miles.errors import ModelError
-from miles_fsdp.batching import OLD_LOGPROBS
+from miles.train_rows import OLD_LOGPROBS
 from miles_fsdp.logprobs import projected_token_logprobs, token_logprobs
 
 

@@ -287,7 +287,7 @@ def _append_to(outputs: list[Any]) -> Any:
 
 
 def test_replay_refuses_a_sample_without_full_routing(moe_model) -> None:
-    from miles_fsdp.batching import check_batch
+    from miles.train_rows import check_batch
 
     batch = make_batch(3, seed=1)
     with pytest.raises(ComponentError, match="carries no routed experts"):
@@ -315,7 +315,8 @@ def test_the_backend_refuses_replay_for_a_dense_model(tiny_model, moe_model) -> 
 
 
 def test_routing_grid_lays_ids_out_like_the_tokens() -> None:
-    from miles_fsdp.batching import Row, collate
+    from miles.train_rows import Row
+    from miles_fsdp.batching import collate
 
     def row(p: int, r: int, base: int) -> Row:
         n = p + r

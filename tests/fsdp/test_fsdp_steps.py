@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fsdp.helpers import make_batch, make_spec
+from miles.train_rows import OLD_LOGPROBS, mini_batches, sub_batch
 from miles_fsdp.backend import combine_step_metrics
-from miles_fsdp.batching import OLD_LOGPROBS, mini_batches, sub_batch
 
 
 def test_mini_batches_are_contiguous_near_equal_and_cover_the_batch():

@@ -7,7 +7,8 @@ import torch
 
 from fsdp.helpers import make_batch
 from miles.errors import ComponentError
-from miles_fsdp.batching import check_batch, collate, plan, split_batch
+from miles.train_rows import check_batch
+from miles_fsdp.batching import collate, plan, split_batch
 from miles_fsdp.logprobs import token_logprobs
 
 

@@ -47,7 +47,7 @@ def test_lora_trains_only_the_adapter_saves_it_and_exports_a_peft_dir(tiny_base,
     import torch.distributed.checkpoint as dcp
 
     from miles.errors import ModelError
-    from miles_fsdp.batching import OLD_LOGPROBS
+    from miles.train_rows import OLD_LOGPROBS
 
     spec = lora_spec(tiny_base, tmp_path)
     backend = backend_factory(spec)

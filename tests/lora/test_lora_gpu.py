@@ -46,7 +46,7 @@ def test_bf16_engine_adapter_rows_match_the_merged_model(tiny_base, tmp_path):
 
 
 def test_cuda_lora_training_exports_a_peft_adapter(tiny_base, tmp_path, backend_factory):
-    from miles_fsdp.batching import OLD_LOGPROBS
+    from miles.train_rows import OLD_LOGPROBS
 
     spec = lora_spec(tiny_base, tmp_path)
     spec.options["fsdp"]["device"] = "cuda"

@@ -44,7 +44,7 @@ def tagged(batch, names: list[str]):
 
 def only(batch, name: str):
     from miles.config.schema import ADAPTER_KEY
-    from miles_fsdp.batching import sub_batch
+    from miles.train_rows import sub_batch
 
     return sub_batch(batch, [i for i, s in enumerate(batch.samples) if s.metadata[ADAPTER_KEY] == name])
 
@@ -84,7 +84,7 @@ def peft_logprobs(base: Path, adapter: Path, samples) -> list[list[float]]:
 
 
 def test_two_adapters_in_one_batch_train_as_each_alone(tiny_base, tmp_path, backend_factory):
-    from miles_fsdp.batching import OLD_LOGPROBS
+    from miles.train_rows import OLD_LOGPROBS
 
     multi = backend_factory(multi_spec(tiny_base, tmp_path))
     m0 = multi.train_step(mixed(0))

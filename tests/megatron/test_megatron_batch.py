@@ -7,14 +7,8 @@ import torch
 from megatron_helpers import make_batch
 
 from miles.errors import ComponentError
-from miles_megatron.batch import (
-    batch_rows,
-    check_batch,
-    collate,
-    mini_batches,
-    plan_micro_batches,
-    token_logprobs,
-)
+from miles.train_rows import batch_rows, check_batch, mini_batches
+from miles_megatron.batch import collate, plan_micro_batches, token_logprobs
 
 
 def test_padded_rows_follow_megatrons_next_token_convention():

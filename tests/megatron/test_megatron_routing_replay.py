@@ -19,7 +19,8 @@ from torch import nn
 
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import BackendSpec
-from miles_megatron.batch import Row, batch_rows, check_batch, collate
+from miles.train_rows import Row, batch_rows, check_batch
+from miles_megatron.batch import collate
 
 pytest.importorskip("megatron.core")
 

@@ -94,7 +94,7 @@ class Routes:
 
 def _forward(trainer: Any, batch: TrainBatch) -> tuple[list[list[float]], Routes]:
     """One scoring forward of the whole batch as one micro-batch, rows in sample order."""
-    from miles_megatron.batch import sample_row
+    from miles.train_rows import sample_row
 
     routes = Routes(trainer)
     try:

@@ -27,15 +27,9 @@ import miles.lora
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import BackendSpec, TransportStats
+from miles.train_rows import OLD_LOGPROBS, check_batch, mini_batches, sub_batch
 from miles.types import Sample, TrainBatch
-from miles_fsdp.batching import (
-    OLD_LOGPROBS,
-    check_batch,
-    mini_batches,
-    split_batch,
-    split_for_scoring,
-    sub_batch,
-)
+from miles_fsdp.batching import split_batch, split_for_scoring
 from miles_fsdp.config import FSDPOptions
 from miles_fsdp.ranks import RankFailedError, RankGroup, free_port
 

@@ -1,6 +1,7 @@
 """Split a training batch across data-parallel ranks and micro-batches, and pad it into tensors.
 
-The driver plans (cheap, no torch) and sends each rank only its rows; a rank turns
+The rows, their checks and the mini-batches are every backend's (``miles.train_rows``); this is
+FSDP's part. The driver plans (cheap, no torch) and sends each rank only its rows; a rank turns
 each micro-batch into right-padded tensors. Every rank must run the same number of
 forward/backward passes (each one is a collective under FSDP), so a rank that has
 fewer samples than the busiest one gets empty micro-batches, run as zero-weight
@@ -9,36 +10,15 @@ passes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from miles.errors import ComponentError
-from miles.routing import ExpertRow, replay_problem, routing_shape, sequence_routing
+from miles.routing import routing_shape
+from miles.train_rows import Row, batch_rows, longest_first, pack_first_fit, sample_row
 from miles.types import Sample, TrainBatch
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class Row:
-    """The trainer's view of one sample: only what the loss needs, cheap to send to a rank."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    advantages: list[float]
-    # Per-token extras by name (reference log-probs, the critic's old values, returns).
-    scores: dict[str, list[float]] = field(default_factory=dict)
-    # MoE: the experts the rollout routed each position to, every position but the last
-    # (miles.routing.sequence_routing); None when the sample carries no routing.
-    routing: list[ExpertRow] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
 
 
 @dataclass
@@ -52,43 +32,6 @@ class RankBatch:
     packed: bool = False  # each micro-batch is one unpadded row of concatenated samples
 
 
-def check_batch(batch: TrainBatch, *, replay: bool = False) -> None:
-    """Raise on a batch the trainer cannot use, naming the sample and the field.
-
-    A bad batch comes from the rollout function or the advantage estimator (both
-    pluggable), so it is reported as a component error, before any rank sees it.
-    ``replay``: routing replay is on, so every sample must carry the routing of every position.
-    """
-    if not batch.samples:
-        raise ComponentError(f"train batch of step {batch.step} has no samples")
-    for i, (sample, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
-        where = f"train batch of step {batch.step}, sample {i} (prompt {sample.prompt.index})"
-        if not sample.prompt_ids:
-            raise ComponentError(
-                f"{where}: prompt_ids is empty; the first response token needs a prompt to follow"
-            )
-        try:
-            sample.check_aligned()
-        except ValueError as exc:
-            raise ComponentError(f"{where}: {exc}") from None
-        if batch.returns is not None and len(batch.returns[i]) != len(sample.response_ids):
-            raise ComponentError(
-                f"{where}: {len(batch.returns[i])} returns for {len(sample.response_ids)} response tokens"
-            )
-        if len(adv) != len(sample.response_ids):
-            raise ComponentError(
-                f"{where}: {len(adv)} advantages for {len(sample.response_ids)} response tokens; "
-                "the advantage estimator must return one value per response token"
-            )
-        problem = replay_problem(sample) if replay else None
-        if problem is not None:
-            raise ComponentError(f"{where}: train.use_rollout_routing_replay is on, but the sample {problem}")
-    if batch.num_loss_tokens == 0:
-        raise ComponentError(
-            f"train batch of step {batch.step}: no sample has a loss token (every loss_mask is 0)"
-        )
-
-
 def plan(lengths: list[int], world_size: int, micro_batch_size: int) -> list[list[list[int]]]:
     """Assign sample indices to ``[rank][micro_batch]``; every rank gets the same micro-batch count.
 
@@ -96,7 +39,7 @@ def plan(lengths: list[int], world_size: int, micro_batch_size: int) -> list[lis
     similar token loads, and a micro-batch holds samples of similar length (less padding).
     Ranks with fewer samples get trailing empty micro-batches.
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = longest_first(lengths)
     per_rank = [order[r::world_size] for r in range(world_size)]
     n_micro = max(1, max((len(p) + micro_batch_size - 1) // micro_batch_size for p in per_rank))
     out: list[list[list[int]]] = []
@@ -115,27 +58,13 @@ def plan_tokens(lengths: list[int], world_size: int, max_tokens: int) -> list[li
     of at most ``max_tokens`` tokens; a sample longer than that gets a micro-batch of its own.
     Ranks with fewer micro-batches than the busiest get trailing empty ones.
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     loads = [0] * world_size
     per_rank: list[list[int]] = [[] for _ in range(world_size)]
-    for i in order:
+    for i in longest_first(lengths):
         r = min(range(world_size), key=lambda k: (loads[k], k))
         per_rank[r].append(i)
         loads[r] += lengths[i]
-    out: list[list[list[int]]] = []
-    for rows in per_rank:
-        bins: list[list[int]] = []
-        room: list[int] = []
-        for i in rows:  # longest first: first-fit decreasing
-            for b, free in enumerate(room):
-                if lengths[i] <= free:
-                    bins[b].append(i)
-                    room[b] -= lengths[i]
-                    break
-            else:
-                bins.append([i])
-                room.append(max_tokens - lengths[i])
-        out.append(bins)
+    out = [pack_first_fit(rows, lengths, max_tokens) for rows in per_rank]
     n_micro = max(1, max(len(b) for b in out))
     return [bins + [[] for _ in range(n_micro - len(bins))] for bins in out]
 
@@ -149,52 +78,6 @@ def layout_for(
     return plan_tokens(lengths, world_size, max_tokens)
 
 
-# Token scores the trainer reads during the step; everything else in token_scores stays on the driver.
-TRAIN_SCORES = ("ref_logprobs", "values")
-# The policy's own log-probs before the first of several optimizer steps on one batch (PPO's "old").
-OLD_LOGPROBS = "old_logprobs"
-
-
-def mini_batches(num_samples: int, steps: int) -> list[range]:
-    """Split ``num_samples`` (in batch order) into ``steps`` contiguous, near-equal mini-batches.
-
-    Contiguous keeps a group's samples together (the batch is groups, flattened); sizes differ
-    by at most one. Fewer samples than steps give one mini-batch per sample.
-    """
-    steps = max(1, min(steps, num_samples))
-    base, extra = divmod(num_samples, steps)
-    out, start = [], 0
-    for k in range(steps):
-        size = base + (1 if k < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def sub_batch(batch: TrainBatch, indices: Sequence[int]) -> TrainBatch:
-    """The samples ``indices`` of ``batch`` as a batch of their own (one optimizer step's data)."""
-    return TrainBatch(
-        samples=[batch.samples[i] for i in indices],
-        advantages=[batch.advantages[i] for i in indices],
-        step=batch.step,
-        returns=None if batch.returns is None else [batch.returns[i] for i in indices],
-    )
-
-
-def sample_row(
-    sample: Sample, advantages: list[float] | None = None, scores: dict[str, list[float]] | None = None
-) -> Row:
-    return Row(
-        prompt_ids=list(sample.prompt_ids),
-        response_ids=list(sample.response_ids),
-        loss_mask=list(sample.loss_mask),
-        rollout_logprobs=list(sample.rollout_logprobs),
-        advantages=list(advantages) if advantages is not None else [0.0] * len(sample.response_ids),
-        scores=scores or {},
-        routing=sequence_routing(sample),
-    )
-
-
 def split_batch(
     batch: TrainBatch,
     world_size: int,
@@ -203,14 +86,7 @@ def split_batch(
     max_tokens: int | None = None,
 ) -> list[RankBatch]:
     """Each rank's rows of ``batch``; ``extra_scores`` adds per-token rows by name (in sample order)."""
-    rows = []
-    for i, (s, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
-        scores = {name: s.token_scores[name] for name in TRAIN_SCORES if name in s.token_scores}
-        if batch.returns is not None:
-            scores["returns"] = batch.returns[i]
-        for name, per_sample in (extra_scores or {}).items():
-            scores[name] = per_sample[i]
-        rows.append(sample_row(s, adv, scores))
+    rows = batch_rows(batch, extra_scores)
     layout = layout_for([r.num_tokens for r in rows], world_size, micro_batch_size, max_tokens)
     total = batch.num_loss_tokens
     return [

@@ -36,9 +36,10 @@ from miles.interfaces import (
 )
 from miles.lr_schedule import decay_steps, lr_multiplier
 from miles.routing import ROUTING_MISMATCH
+from miles.train_rows import OLD_LOGPROBS
 from miles_fsdp import checkpoint
 from miles_fsdp import lora as lora_mod
-from miles_fsdp.batching import OLD_LOGPROBS, MicroBatchTensors, RankBatch, collate
+from miles_fsdp.batching import MicroBatchTensors, RankBatch, collate
 from miles_fsdp.config import FSDPOptions
 from miles_fsdp.logprobs import projected_token_logprobs, token_logprobs
 from miles_fsdp.models import (

@@ -25,17 +25,10 @@ import miles.lora
 from miles.config.schema import TrainSection
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, VALUES, BackendSpec, TransportStats
+from miles.train_rows import OLD_LOGPROBS, Row, batch_rows, check_batch, mini_batches, sample_row
 from miles.types import Sample, TrainBatch
 from miles_megatron import lora as lora_mod
-from miles_megatron.batch import (
-    OLD_LOGPROBS,
-    Row,
-    batch_rows,
-    check_batch,
-    mini_batches,
-    plan_micro_batches,
-    sample_row,
-)
+from miles_megatron.batch import plan_micro_batches
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import Spec
 from miles_megatron.hf_config import HFModel

@@ -19,88 +19,14 @@ inside the model, flattened to ``L * B`` rows, so position ``t`` of row ``b`` is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from miles.errors import ComponentError
-from miles.routing import ExpertRow, replay_problem, routing_shape, sequence_routing
-from miles.types import Sample, TrainBatch
-
-# The policy's own log-probs before the first of several optimizer steps on one batch (PPO's "old").
-OLD_LOGPROBS = "old_logprobs"
-# Token scores the trainer reads during the step.
-TRAIN_SCORES = ("ref_logprobs", "values")
-
-
-@dataclass
-class Row:
-    """The trainer's view of one sample."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    advantages: list[float]
-    scores: dict[str, list[float]] = field(default_factory=dict)
-    # MoE: the experts the rollout routed every position but the last to (miles.routing.sequence_routing).
-    routing: list[ExpertRow] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-
-def sample_row(
-    sample: Sample, advantages: list[float] | None = None, scores: dict[str, list[float]] | None = None
-) -> Row:
-    return Row(
-        prompt_ids=list(sample.prompt_ids),
-        response_ids=list(sample.response_ids),
-        loss_mask=list(sample.loss_mask),
-        rollout_logprobs=list(sample.rollout_logprobs),
-        advantages=list(advantages) if advantages is not None else [0.0] * len(sample.response_ids),
-        scores=scores or {},
-        routing=sequence_routing(sample),
-    )
-
-
-def batch_rows(batch: TrainBatch, extra: dict[str, list[list[float]]] | None = None) -> list[Row]:
-    """The rows of ``batch`` (with its per-token scores and ``extra`` ones by name), in sample order."""
-    rows = []
-    for i, (s, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
-        scores = {name: s.token_scores[name] for name in TRAIN_SCORES if name in s.token_scores}
-        if batch.returns is not None:
-            scores["returns"] = batch.returns[i]
-        for name, per_sample in (extra or {}).items():
-            scores[name] = per_sample[i]
-        rows.append(sample_row(s, adv, scores))
-    return rows
-
-
-def check_batch(batch: TrainBatch, *, replay: bool = False) -> None:
-    """Refuse a batch the trainer cannot use, naming the sample and the field (``replay``: routing
-    replay is on, so every sample must carry the routing of every position)."""
-    if not batch.samples:
-        raise ComponentError(f"train batch of step {batch.step} has no samples")
-    for i, (sample, adv) in enumerate(zip(batch.samples, batch.advantages, strict=True)):
-        where = f"train batch of step {batch.step}, sample {i} (prompt {sample.prompt.index})"
-        if not sample.prompt_ids:
-            raise ComponentError(f"{where}: prompt_ids is empty; the first response token needs a prompt")
-        try:
-            sample.check_aligned()
-        except ValueError as exc:
-            raise ComponentError(f"{where}: {exc}") from None
-        if len(adv) != len(sample.response_ids):
-            raise ComponentError(
-                f"{where}: {len(adv)} advantages for {len(sample.response_ids)} response tokens"
-            )
-        problem = replay_problem(sample) if replay else None
-        if problem is not None:
-            raise ComponentError(f"{where}: train.use_rollout_routing_replay is on, but the sample {problem}")
-    if batch.num_loss_tokens == 0:
-        raise ComponentError(f"train batch of step {batch.step}: no sample has a loss token")
+from miles.routing import routing_shape
+from miles.train_rows import OLD_LOGPROBS as OLD_LOGPROBS  # re-exported for trainer.py until its import moves
+from miles.train_rows import Row, longest_first, pack_first_fit
 
 
 def plan_micro_batches(
@@ -108,33 +34,10 @@ def plan_micro_batches(
 ) -> list[list[int]]:
     """Sample indices per micro-batch, longest first: ``micro_batch_size`` samples each, or (packed)
     at most ``max_tokens`` tokens each, first-fit (a longer sample gets one of its own)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = longest_first(lengths)
     if max_tokens is None:
         return [order[k : k + micro_batch_size] for k in range(0, len(order), micro_batch_size)]
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(max_tokens - lengths[i])
-    return bins
-
-
-def mini_batches(num_samples: int, steps: int) -> list[range]:
-    """``num_samples`` in batch order as ``steps`` contiguous, near-equal mini-batches (one per optimizer step)."""
-    steps = max(1, min(steps, num_samples))
-    base, extra = divmod(num_samples, steps)
-    out, start = [], 0
-    for k in range(steps):
-        size = base + (1 if k < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+    return pack_first_fit(order, lengths, max_tokens)
 
 
 @dataclass
