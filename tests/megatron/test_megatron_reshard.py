@@ -228,3 +228,33 @@ def test_a_critic_checkpoint_reshards_with_the_policy(tmp_path):
     for key in ("critic/value_loss", "critic/values_mean", "train/loss"):
         assert got[0][key] == pytest.approx(want[0][key], abs=1e-5), key
     assert got[0]["critic/grad_norm"] == pytest.approx(want[0]["critic/grad_norm"], rel=1e-5)
+
+
+def test_a_resume_may_change_tp_and_the_rank_count_only():
+    from miles.config.resume import check_resume_changes
+    from miles.errors import ConfigError
+    from miles_megatron.hooks import RESUME_MUTABLE
+
+    mutable = [f"megatron.{k}" for k in RESUME_MUTABLE]
+    old = {"megatron": {"device": "cpu", "num_ranks": 2, "tensor_parallel": 2, "pipeline_parallel": 1}}
+    new = {"megatron": {"device": "cpu", "num_ranks": 1, "tensor_parallel": 1, "pipeline_parallel": 1}}
+    assert set(check_resume_changes(old, new, mutable)) == {"megatron.num_ranks", "megatron.tensor_parallel"}
+    with pytest.raises(ConfigError, match=r"--resume cannot change megatron\.pipeline_parallel"):
+        check_resume_changes(old, {"megatron": dict(new["megatron"], pipeline_parallel=2)}, mutable)
+
+
+@pytest.mark.extended
+def test_miles_run_resumes_a_tp2_run_on_one_rank(tmp_path, monkeypatch):
+    """``miles run`` on TP = 2 (two rank processes) saves at step 2; ``--resume`` with one rank continues."""
+    from megatron_helpers import cpu_run_config, read_rows
+
+    from miles.loop import train
+
+    def config(steps: int, *layout: str):
+        return cpu_run_config(tmp_path, monkeypatch, steps, *layout)
+
+    train(config(3, "megatron.num_ranks=2", "megatron.tensor_parallel=2"))
+    result = train(config(4), resume=True)
+    rows = read_rows(result.metrics_path)
+    assert [r["step"] for r in rows][-2:] == [2, 3]  # from the step-2 checkpoint, on one rank
+    assert rows[-1]["train/grad_norm"] > 0 and rows[-1]["correction/abs_dev"] < 1e-4

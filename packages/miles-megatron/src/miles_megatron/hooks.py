@@ -16,6 +16,8 @@ from miles.config.sections import ConfigSection
 from miles.errors import ConfigError
 from miles_megatron.config import MegatronOptions
 
+RESUME_MUTABLE = frozenset({"num_ranks", "tensor_parallel"})
+
 
 @hookimpl
 def miles_config_sections() -> list[ConfigSection]:
@@ -24,6 +26,9 @@ def miles_config_sections() -> list[ConfigSection]:
             name="megatron",
             model=MegatronOptions,
             description="Megatron-core training backend: parallel layout (TP, PP, CP, EP, ETP), device",
+            # A resume may change the TP / DP layout: the trainer reshards its checkpoint (or refuses
+            # what it cannot reshard in one line: LoRA, streamed optimizer state).
+            resume_mutable=RESUME_MUTABLE,
         )
     ]
 
