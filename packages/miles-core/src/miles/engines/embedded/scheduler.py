@@ -418,9 +418,14 @@ class Scheduler:
         row.finish = {"type": "abort", "message": message}
         self._done(row)
 
-    def _abort_everything(self, message: str) -> None:
+    def _take_running(self) -> list[GenRequest]:
+        """Take every running row out of the running batch (the paged scheduler keeps its own)."""
         rows = self._batch.rows if self._batch is not None else []
         self._batch = None
+        return rows
+
+    def _abort_everything(self, message: str) -> None:
+        rows = self._take_running()
         with self._lock:
             queued = list(self._waiting)
             self._waiting.clear()
@@ -429,8 +434,7 @@ class Scheduler:
             self._finish_abort(row, message)
 
     def _fail_everything(self, error: str) -> None:
-        rows = self._batch.rows if self._batch is not None else []
-        self._batch = None
+        rows = self._take_running()
         with self._lock:
             self._num_running = 0
         for row in rows:

@@ -560,23 +560,9 @@ class PagedScheduler(Scheduler):
         for row in done:
             self._done(row)
 
-    def _abort_everything(self, message: str) -> None:
+    def _take_running(self) -> list[GenRequest]:
         rows, self._running.rows = self._running.rows, []
-        with self._lock:
-            queued = list(self._waiting)
-            self._waiting.clear()
-            self._num_running = 0
-        for row in [*rows, *queued]:
-            self._finish_abort(row, message)
-
-    def _fail_everything(self, error: str) -> None:
-        rows, self._running.rows = self._running.rows, []
-        with self._lock:
-            self._num_running = 0
-        for row in rows:
-            row.error = error
-            row.finish = row.finish or {"type": "abort", "message": error}
-            self._done(row)
+        return rows
 
     def _done(self, row: GenRequest) -> None:
         state = self._states.pop(row, None)
