@@ -70,3 +70,21 @@ def test_disk_delta_the_caught_up_engine_takes_the_next_delta(disk_delta_run):
     _check_caught_up(out)
     # The snapshot it loaded is the base the next delta applies to: no recovery in any later update.
     assert all("weight_sync/recovered" not in r for r in out.rows)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Outcome:
+    lora = ["lora.rank=8", 'lora.target_modules=["q_proj","v_proj","down_proj"]']
+    config = _config(tmp_path_factory, "one_lora", *ONE_ENGINE, "transport=broadcast", *lora)
+    return _run(config, Plan([Fault(signal.SIGKILL, step=2, engine=0, where="rollout")]))
+
+
+def test_a_lora_runs_only_engine_killed_at_step_2_serves_the_adapter_again(lora_run):
+    """A restarted engine holds the base and no adapter: the catch-up loads the adapter the trainer
+    exported at the version the engine served, so the step's remaining samples (which ask for the
+    adapter by name) are generated with it, and the next update's check compares every adapter tensor."""
+    out = lora_run
+    _check_caught_up(out)
+    step0, step2 = out.rows[0], out.rows[2]
+    assert step0["weight_sync/checked_tensors"] > 0
+    assert step2["weight_sync/checked_tensors"] == step0["weight_sync/checked_tensors"]
