@@ -16,3 +16,14 @@ TINY_FLOW_UNET = BuiltinModel(
     "the tiny diffusion recipes' model",
     "miles_diffusion.model:build_tiny_flow_unet",
 )
+
+TINY_SD3 = BuiltinModel(
+    "tiny-sd3",
+    "diffusion",
+    "StableDiffusion3Pipeline",
+    "160.0K",
+    "random-init scaled-down Stable Diffusion 3 pipeline (diffusers SD3Transformer2DModel, 2 layers; "
+    "AutoencoderKL, 32x32 RGB to 8x8x4 latents; tiny CLIP-L / CLIP-G with byte-level tokenizers; no T5); "
+    "the sd3_flow_grpo_proxy recipe's model",
+    "miles_diffusion.sd3:build_tiny_sd3",
+)

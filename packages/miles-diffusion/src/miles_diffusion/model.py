@@ -17,6 +17,7 @@ import torch
 from diffusers import UNet2DModel
 from torch import nn
 
+from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.precision import PrecisionConfig, keep_fp32
 
 # UNet2DModel expects timesteps on the scale diffusion schedulers use (0..1000).
@@ -51,8 +52,10 @@ class PromptTable(nn.Embedding):
         return super().forward(input)
 
 
-class FlowModel(nn.Module):
-    """Velocity predictor ``v(x_t, t, prompt)`` over a diffusers UNet with a prompt-embedding table."""
+class FlowModel(DiffusionModel):
+    """Velocity predictor ``v(x_t, t, prompt)`` over a diffusers UNet with a prompt-embedding table.
+
+    Pixel space: its "latents" are the images in [-1, 1]."""
 
     def __init__(self, config: TinyFlowModelConfig, precision: PrecisionConfig | None = None) -> None:
         super().__init__()
@@ -82,6 +85,19 @@ class FlowModel(nn.Module):
         )
         self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
         """Modules computed in FP32 while the rest runs at ``precision.compute_dtype``."""
+
+    @property
+    def num_prompts(self) -> int:
+        return self.config.num_prompts
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        c = self.config
+        return (c.channels, c.image_size, c.image_size)
+
+    def to_images(self, latents: torch.Tensor) -> torch.Tensor:
+        """The model's [-1, 1] range mapped to [0, 1] (as ``Trajectory.images``)."""
+        return ((latents + 1.0) / 2.0).clamp(0.0, 1.0)
 
     @property
     def encoding_dim(self) -> int:
@@ -144,7 +160,7 @@ def velocity_target(images: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def flow_matching_error(
-    model: FlowModel, images: torch.Tensor, prompts: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+    model: DiffusionModel, images: torch.Tensor, prompts: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
 ) -> torch.Tensor:
     """Per-sample mean squared error of the model's velocity at ``x_t`` against the target, [B]."""
     v = model(forward_noise(images, noise, t), t, prompts)

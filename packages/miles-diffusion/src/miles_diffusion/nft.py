@@ -28,8 +28,9 @@ from typing import ClassVar
 
 import torch
 
+from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.flow_grpo import group_advantages
-from miles_diffusion.model import FlowModel, forward_noise, velocity_target
+from miles_diffusion.model import forward_noise, velocity_target
 from miles_diffusion.objectives import Rollout, TrainerConfig
 from miles_diffusion.trainer import make_optimizer
 
@@ -97,7 +98,7 @@ class DiffusionNFTTrainer:
     """Trains on the images of a rollout; the sampling policy's velocities are taken from the model
     as it is when the iteration starts (the sampler used those weights), before any update."""
 
-    def __init__(self, model: FlowModel, objective: DiffusionNFTConfig, config: TrainerConfig) -> None:
+    def __init__(self, model: DiffusionModel, objective: DiffusionNFTConfig, config: TrainerConfig) -> None:
         self.model = model
         self.objective = objective
         self.config = config

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from miles_diffusion.model import FlowModel
+from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.sampler import SamplerConfig, Trajectory
 
 
@@ -94,7 +94,7 @@ class ObjectiveConfig(Protocol):
 
 @dataclass(frozen=True)
 class ObjectiveContext:
-    model: FlowModel
+    model: DiffusionModel
     trainer: TrainerConfig
     sampler: SamplerConfig
 

@@ -41,7 +41,12 @@ class DiffusionRecipe:
     group_size: int = 8
     eval_prompts_per_id: int = 4
     eval_seed: int = 1234
-    model: TinyFlowModelConfig = field(default_factory=TinyFlowModelConfig)
+    model: TinyFlowModelConfig | str = field(default_factory=TinyFlowModelConfig)
+    """The tiny UNet's shape (built from ``seed``), or a model directory: a path or ``builtin:NAME``,
+    loaded by the family its files name (:mod:`miles_diffusion.families`, e.g. an SD3 / SD3.5
+    diffusers directory)."""
+    prompts: tuple[str, ...] | None = None
+    """A text family's prompts: prompt id ``i`` is ``prompts[i]`` (the tiny UNet takes bare ids)."""
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     reward: RewardSpec | None = field(default_factory=RewardSpec)
     """Scores rollouts (rollout objectives) and the evaluation samples; ``null`` for none (SFT)."""
@@ -55,6 +60,10 @@ class DiffusionRecipe:
     def __post_init__(self) -> None:
         if self.evidence_level not in EVIDENCE_LEVELS:
             raise ValueError(f"evidence_level must be one of {EVIDENCE_LEVELS}")
+        if self.prompts is not None:
+            object.__setattr__(self, "prompts", tuple(str(p) for p in self.prompts))
+            if isinstance(self.model, TinyFlowModelConfig):
+                raise ValueError("prompts: texts are for a model directory of a text family (e.g. sd3)")
 
 
 def _build(cls: type, data: dict[str, Any]) -> Any:
@@ -86,6 +95,8 @@ def recipe_from_dict(data: dict[str, Any]) -> DiffusionRecipe:
         if key in values:
             if values[key] is None and key in _NULLABLE:
                 continue
+            if key == "model" and isinstance(values[key], str):
+                continue  # a model directory (path or builtin:NAME)
             values[key] = _build(cls, values[key] or {})
     if "objective" in values:
         section = dict(values["objective"] or {})

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if (
-    TYPE_CHECKING
-):  # only for annotations: the wire format's decode workers import this module without diffusers
-    from miles_diffusion.model import FlowModel
+from miles_diffusion.denoiser import linear_schedule
+
+if TYPE_CHECKING:  # only for annotations (the decode workers import this module without diffusers)
+    from miles_diffusion.denoiser import Conditioning, DiffusionModel
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -63,21 +63,22 @@ class Trajectory:
 
 
 def timestep_schedule(num_steps: int) -> torch.Tensor:
-    """``num_steps + 1`` evenly spaced times from 1 (noise) to 0 (image)."""
-    return torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    """``num_steps + 1`` evenly spaced times from 1 (noise) to 0 (image) (the tiny model's schedule;
+    a family may shift it: ``DiffusionModel.timestep_schedule``)."""
+    return linear_schedule(num_steps)
 
 
 def step_distribution(
-    model: FlowModel,
+    model: DiffusionModel,
     x_t: torch.Tensor,
     t: float,
     t_next: float,
-    prompts: torch.Tensor,
+    prompts: Conditioning,
     noise_level: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean [B, C, H, W] and scalar std of the Gaussian for the step ``t -> t_next``.
 
-    ``prompts``: the prompt ids [B], or their encodings [B, D] (:meth:`FlowModel.encode_prompts`)."""
+    ``prompts``: the prompt ids [B], or their encodings (:meth:`DiffusionModel.encode_prompts`)."""
     dt = t - t_next
     batch = x_t.shape[0]
     v = model(x_t, torch.full((batch,), t, dtype=x_t.dtype), prompts)
@@ -95,7 +96,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
 
 
 def step_log_prob(
-    model: FlowModel, trajectory: Trajectory, step: int, noise_level: float
+    model: DiffusionModel, trajectory: Trajectory, step: int, noise_level: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Re-score recorded step ``step`` with ``model``: (log_prob [B], mean, std). Differentiable."""
     t = float(trajectory.timesteps[step])
@@ -108,7 +109,7 @@ def step_log_prob(
 
 @torch.no_grad()
 def sample(
-    model: FlowModel, prompts: torch.Tensor, config: SamplerConfig, generator: torch.Generator
+    model: DiffusionModel, prompts: torch.Tensor, config: SamplerConfig, generator: torch.Generator
 ) -> Trajectory:
     """Sample one trajectory per prompt id in ``prompts``; all noise comes from ``generator``."""
     return _sample(model, prompts, config, lambda shape: torch.randn(shape, generator=generator))
@@ -116,24 +117,24 @@ def sample(
 
 @torch.no_grad()
 def sample_seeded(
-    model: FlowModel,
+    model: DiffusionModel,
     prompts: torch.Tensor,
     seeds: list[int],
     config: SamplerConfig,
     *,
-    encoded: torch.Tensor | None = None,
+    encoded: Conditioning | None = None,
 ) -> Trajectory:
     """Sample one trajectory per prompt id, the noise of trajectory ``i`` from its own ``seeds[i]``.
 
     So a trajectory's noise depends on its seed alone, not on what else is in the batch (the
     engine's form: a request is sampled in microgroups). The batch's size still sets the rounding
     of the model's forward pass (a few ulp). ``encoded``: the prompts' encodings, computed once
-    per request by :meth:`FlowModel.encode_prompts` and reused for every microgroup; without it
+    per request by :meth:`DiffusionModel.encode_prompts` and reused for every microgroup; without it
     the model encodes ``prompts`` at every step."""
     if len(seeds) != prompts.shape[0]:
         raise ValueError(f"{len(seeds)} seeds for {prompts.shape[0]} prompts; give one seed per trajectory")
-    if encoded is not None and encoded.shape[0] != prompts.shape[0]:
-        raise ValueError(f"{encoded.shape[0]} prompt encodings for {prompts.shape[0]} prompts")
+    if encoded is not None and len(encoded) != prompts.shape[0]:
+        raise ValueError(f"{len(encoded)} prompt encodings for {prompts.shape[0]} prompts")
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
 
     def draw(shape: tuple[int, ...]) -> torch.Tensor:
@@ -143,16 +144,15 @@ def sample_seeded(
 
 
 def _sample(
-    model: FlowModel,
+    model: DiffusionModel,
     prompts: torch.Tensor,
     config: SamplerConfig,
     draw: Callable[[tuple[int, ...]], torch.Tensor],
-    encoded: torch.Tensor | None = None,
+    encoded: Conditioning | None = None,
 ) -> Trajectory:
     condition = prompts if encoded is None else encoded
-    mc = model.config
-    shape = (prompts.shape[0], mc.channels, mc.image_size, mc.image_size)
-    times = timestep_schedule(config.num_steps)
+    shape = (prompts.shape[0], *model.latent_shape)
+    times = model.timestep_schedule(config.num_steps)
     x = draw(shape)
     latents = [x]
     log_probs = []

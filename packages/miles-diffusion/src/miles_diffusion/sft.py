@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from miles_diffusion.model import FlowModel, flow_matching_error
+from miles_diffusion.denoiser import DiffusionModel
+from miles_diffusion.model import flow_matching_error
 from miles_diffusion.objectives import ImageBatch, TrainerConfig
 from miles_diffusion.trainer import make_optimizer
 
@@ -35,7 +36,7 @@ class SFTConfig:
 
 
 class SFTTrainer:
-    def __init__(self, model: FlowModel, objective: SFTConfig, config: TrainerConfig) -> None:
+    def __init__(self, model: DiffusionModel, objective: SFTConfig, config: TrainerConfig) -> None:
         self.model = model
         self.objective = objective
         self.config = config
@@ -62,7 +63,7 @@ class SFTTrainer:
 
 
 @torch.no_grad()
-def evaluation_loss(model: FlowModel, batch: ImageBatch, seed: int, num_levels: int = 4) -> float:
+def evaluation_loss(model: DiffusionModel, batch: ImageBatch, seed: int, num_levels: int = 4) -> float:
     """Flow-matching loss on ``batch`` at ``num_levels`` fixed noise levels (midpoints of an even
     grid over [0, 1]) with noise from ``seed``: the same draws every call, so values compare."""
     generator = torch.Generator().manual_seed(seed)

@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from miles_diffusion.datasets import ImageDataset, build_shapes_dataset, class_mean_colours
+from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
-from miles_diffusion.model import FlowModel, build_tiny_model
+from miles_diffusion.model import TinyFlowModelConfig, build_tiny_model
 from miles_diffusion.objectives import (
     ObjectiveContext,
     Rollout,
@@ -36,21 +37,41 @@ TIMING_PREFIX = "time/"
 """Metrics under this prefix are wall-clock times: registered, but not repeatable bit for bit."""
 
 
-def evaluation_samples(model: FlowModel, recipe: DiffusionRecipe) -> Trajectory:
+def resolve_model_dir(ref: str) -> Path:
+    """A recipe's model directory: ``builtin:NAME`` built into the model cache on first use (the
+    ``miles.models`` entry points), anything else a local directory."""
+    from miles.models.registry import BUILTIN_PREFIX, build_model
+
+    if ref.startswith(BUILTIN_PREFIX):
+        return build_model(ref[len(BUILTIN_PREFIX) :])
+    return Path(ref).expanduser()
+
+
+def build_recipe_model(recipe: DiffusionRecipe) -> DiffusionModel:
+    """The recipe's model: the tiny UNet built from its shape and ``seed``, or a model directory
+    loaded by its family (:mod:`miles_diffusion.families`) with the recipe's prompt texts."""
+    if isinstance(recipe.model, TinyFlowModelConfig):
+        return build_tiny_model(recipe.model, recipe.seed, recipe.precision)
+    from miles_diffusion.families import load_model
+
+    return load_model(resolve_model_dir(recipe.model), recipe.precision, recipe.prompts or ())
+
+
+def evaluation_samples(model: DiffusionModel, recipe: DiffusionRecipe) -> Trajectory:
     """Samples for a fixed set of prompts and a fixed seed, so runs compare like for like."""
-    prompts = torch.arange(recipe.model.num_prompts).repeat_interleave(recipe.eval_prompts_per_id)
+    prompts = torch.arange(model.num_prompts).repeat_interleave(recipe.eval_prompts_per_id)
     generator = torch.Generator().manual_seed(recipe.eval_seed)
     return sample(model, prompts, recipe.sampler, generator)
 
 
-def evaluate(model: FlowModel, recipe: DiffusionRecipe, reward: ImageReward) -> float:
+def evaluate(model: DiffusionModel, recipe: DiffusionRecipe, reward: ImageReward) -> float:
     """Mean reward over :func:`evaluation_samples`."""
     trajectory = evaluation_samples(model, recipe)
-    return float(reward(trajectory.images, trajectory.prompts).mean())
+    return float(reward(model.to_images(trajectory.latents[:, -1]), trajectory.prompts).mean())
 
 
 def _evaluate_all(
-    model: FlowModel,
+    model: DiffusionModel,
     recipe: DiffusionRecipe,
     reward: ImageReward | None,
     dataset: ImageDataset | None,
@@ -62,12 +83,13 @@ def _evaluate_all(
     if reward is None and dataset is None:
         return out
     trajectory = evaluation_samples(model, recipe)
+    images = model.to_images(trajectory.latents[:, -1])
     if reward is not None:
-        out[f"eval/reward_{suffix}"] = float(reward(trajectory.images, trajectory.prompts).mean())
+        out[f"eval/reward_{suffix}"] = float(reward(images, trajectory.prompts).mean())
     if dataset is not None:
         out[f"eval/loss_{suffix}"] = evaluation_loss(model, dataset.held_out, recipe.eval_seed)
-        k = recipe.model.num_prompts
-        sampled = class_mean_colours(trajectory.images, trajectory.prompts, k)
+        k = model.num_prompts
+        sampled = class_mean_colours(images, trajectory.prompts, k)
         train = dataset.train
         given = class_mean_colours((train.images + 1.0) / 2.0, train.prompts, k)
         out[f"eval/colour_error_{suffix}"] = float(((sampled - given) ** 2).sum(dim=1).mean())
@@ -90,17 +112,17 @@ def run(
 
 def _rollout_metrics(
     recipe: DiffusionRecipe,
-    model: FlowModel,
+    model: DiffusionModel,
     objective: RolloutObjective,
     reward: ImageReward,
     generator: torch.Generator,
 ) -> dict[str, float]:
     started = time.perf_counter()
-    ids = torch.randint(recipe.model.num_prompts, (recipe.prompts_per_iteration,), generator=generator)
+    ids = torch.randint(model.num_prompts, (recipe.prompts_per_iteration,), generator=generator)
     prompts = ids.repeat_interleave(recipe.group_size)
     trajectory = sample(model, prompts, recipe.sampler, generator)
     sampled = time.perf_counter()
-    rewards = reward(trajectory.images, prompts)
+    rewards = reward(model.to_images(trajectory.latents[:, -1]), prompts)
     stats = objective.train_on_rollout(Rollout(trajectory, rewards, recipe.group_size), generator)
     finished = time.perf_counter()
     return {
@@ -130,7 +152,7 @@ def _run(
     out_dir: Path | None,
     on_metrics: Callable[[dict[str, float]], None] | None,
 ) -> list[dict[str, float]]:
-    model = build_tiny_model(recipe.model, recipe.seed, recipe.precision)
+    model = build_recipe_model(recipe)
     model.eval()
     if recipe.deterministic:
         check_attention_backends(model)
@@ -140,6 +162,11 @@ def _run(
     if isinstance(objective, SupervisedObjective):
         if recipe.dataset is None:
             raise ValueError(f"recipe {recipe.name}: objective {recipe.objective.name!r} needs a dataset")
+        if not isinstance(recipe.model, TinyFlowModelConfig):
+            raise ValueError(
+                f"recipe {recipe.name}: objective {recipe.objective.name!r} trains on pixel-space images; "
+                "only the tiny UNet (a `model:` shape) takes them so far"
+            )
         dataset = build_shapes_dataset(recipe.dataset, recipe.model.image_size, recipe.model.num_prompts)
     elif reward is None:
         raise ValueError(f"recipe {recipe.name}: objective {recipe.objective.name!r} needs a reward")
@@ -180,13 +207,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", help="a YAML path, or the name of a shipped recipe")
     parser.add_argument("--out", type=Path, default=None, help="directory for metrics.jsonl")
     parser.add_argument("--iterations", type=int, default=None, help="override num_iterations")
+    parser.add_argument(
+        "--model", default=None, help="override the recipe's model directory (a path or builtin:NAME)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     recipe = load_recipe(args.recipe)
-    if args.iterations is not None:
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if args.iterations is not None:
         recipe = replace(recipe, num_iterations=args.iterations)
+    if args.model is not None:
+        if isinstance(recipe.model, TinyFlowModelConfig):
+            raise SystemExit(
+                f"recipe {recipe.name} builds the tiny UNet from its shape; --model does not apply"
+            )
+        recipe = replace(recipe, model=args.model)
     print(f"recipe {recipe.name}: evidence level {recipe.evidence_level}")
 
     def show(m: dict[str, float]) -> None:

@@ -10,15 +10,15 @@ import math
 
 import torch
 
+from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.flow_grpo import FlowGRPOConfig, flow_grpo_step_loss, group_advantages
-from miles_diffusion.model import FlowModel
 from miles_diffusion.objectives import Rollout, TrainerConfig
 from miles_diffusion.sampler import Trajectory, step_distribution, step_log_prob
 
 __all__ = ["FlowGRPOTrainer", "TrainerConfig", "choose_steps", "make_optimizer"]
 
 
-def make_optimizer(model: FlowModel, config: TrainerConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: DiffusionModel, config: TrainerConfig) -> torch.optim.Optimizer:
     """The AdamW optimizer every objective trains with, over the parameters that train (all of them,
     or only a LoRA adapter's: a frozen base keeps no optimizer state)."""
     return torch.optim.AdamW(
@@ -39,7 +39,7 @@ def choose_steps(num_steps: int, fraction: float, generator: torch.Generator) ->
 class FlowGRPOTrainer:
     def __init__(
         self,
-        model: FlowModel,
+        model: DiffusionModel,
         objective: FlowGRPOConfig,
         config: TrainerConfig,
         noise_level: float,
@@ -49,7 +49,7 @@ class FlowGRPOTrainer:
         self.config = config
         self.noise_level = noise_level
         self.optimizer = make_optimizer(model, config)
-        self.reference: FlowModel | None = None
+        self.reference: DiffusionModel | None = None
         if objective.kl_coef > 0:
             self.reference = copy.deepcopy(model).requires_grad_(False)
 

@@ -1,0 +1,74 @@
+"""What the sampler, the trainer and the objectives drive: a velocity model over a latent space.
+
+Every model family (:mod:`miles_diffusion.families`) loads into a :class:`DiffusionModel`: the
+tiny pixel-space UNet (:class:`miles_diffusion.model.FlowModel`, whose "latents" are the pixels)
+and Stable Diffusion 3 (:class:`miles_diffusion.sd3.SD3FlowModel`, VAE latents and text
+encoders). A prompt is always an integer id; what the id means (an embedding row, a text of the
+recipe's ``prompts`` list) is the family's business, behind :meth:`DiffusionModel.encode_prompts`.
+
+Only what trains is registered as a submodule: ``parameters()`` and ``state_dict()`` are the
+trainable denoiser's (the optimizer's parameters, the weight updates, the checkpoints), and
+:meth:`DiffusionModel.frozen_modules` lists the rest (text encoders, VAE), frozen and in eval mode.
+
+This module imports torch only (the wire format's decode workers import the sampler, which names
+these types, without diffusers).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class PromptEncodings(Protocol):
+    """A batch of prompt encodings other than one tensor (e.g. SD3's sequence + pooled embeddings):
+    rows are selected with an index tensor or a slice, as a tensor's are."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: torch.Tensor | slice) -> PromptEncodings: ...
+
+
+Conditioning = torch.Tensor | PromptEncodings
+"""What the denoiser reads for a prompt: its id ([B] int64), or encodings from ``encode_prompts``."""
+
+
+def linear_schedule(num_steps: int) -> torch.Tensor:
+    """``num_steps + 1`` evenly spaced times from 1 (noise) to 0 (image)."""
+    return torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+
+
+class DiffusionModel(nn.Module):
+    """Velocity ``v(x_t, t, prompt)`` of rectified flow, ``x_t = (1 - t) x_0 + t noise``.
+
+    Subclasses implement ``forward(x_t [B, *latent_shape], t [B] in [0, 1], prompts) -> v`` (the
+    prompts as ids or as :meth:`encode_prompts` output) and the members below."""
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompt ids run over ``0 .. num_prompts - 1``."""
+        raise NotImplementedError
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of one latent (the space the sampler works in)."""
+        raise NotImplementedError
+
+    def encode_prompts(self, prompts: torch.Tensor) -> Conditioning:
+        """The conditioning the denoiser reads for ``prompts`` ([B] int ids); computed once per
+        request by an engine and handed to ``forward`` in place of the ids at every step."""
+        raise NotImplementedError
+
+    def to_images(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents [B, *latent_shape] to images [B, 3, H, W] in [0, 1] (what rewards score)."""
+        raise NotImplementedError
+
+    def timestep_schedule(self, num_steps: int) -> torch.Tensor:
+        """The ``num_steps + 1`` times the sampler visits, from 1 to 0 (default: evenly spaced)."""
+        return linear_schedule(num_steps)
+
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        """Modules the model uses but never trains (not in ``parameters()``): none by default."""
+        return {}

@@ -1,0 +1,145 @@
+"""Model families: which loader reads a model directory, picked from the directory itself.
+
+A family recognises its directories by their files (``detect``) and loads one into a
+:class:`~miles_diffusion.denoiser.DiffusionModel` (``load``). Registered:
+
+- ``tiny-flow-unet``: a ``config.json`` whose ``architecture`` is ``MilesTinyFlowUNet`` (the
+  package's tiny pixel-space UNet, :mod:`miles_diffusion.model`);
+- ``sd3``: a diffusers directory whose ``model_index.json`` names ``StableDiffusion3Pipeline``
+  (SD3 / SD3.5, :mod:`miles_diffusion.sd3`; its recipes give the prompt texts).
+
+Any other directory, a diffusers pipeline of another class included, is refused with one error
+naming what is supported. ``register_family`` adds one (a plug-in registers at import).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_diffusion.denoiser import DiffusionModel
+from miles_diffusion.precision import PrecisionConfig
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    recognises: str
+    """What a directory of this family holds (shown when a directory matches no family)."""
+    detect: Callable[[Path], bool]
+    load: Callable[[Path, PrecisionConfig | None, tuple[str, ...]], DiffusionModel]
+    """(directory, precision, prompt texts) -> the model, in eval mode."""
+    text_prompts: bool
+    """Whether prompts are texts (the recipe's ``prompts:`` list) rather than bare ids."""
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> None:
+    if family.name in _FAMILIES and _FAMILIES[family.name] != family:
+        raise ValueError(f"a model family named {family.name!r} is already registered")
+    _FAMILIES[family.name] = family
+
+
+def _load_tiny(path: Path, precision: PrecisionConfig | None, prompts: tuple[str, ...]) -> DiffusionModel:
+    from miles_diffusion.model import load_pretrained
+
+    return load_pretrained(path, precision)
+
+
+def _detect_tiny(path: Path) -> bool:
+    from miles_diffusion.model import ARCHITECTURE, CONFIG_FILE
+
+    try:
+        data = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("architecture") == ARCHITECTURE
+
+
+def _load_sd3(path: Path, precision: PrecisionConfig | None, prompts: tuple[str, ...]) -> DiffusionModel:
+    from miles_diffusion.sd3 import load_sd3
+
+    return load_sd3(path, precision, prompts)
+
+
+def _detect_sd3(path: Path) -> bool:
+    from miles_diffusion.sd3 import is_sd3_directory
+
+    return is_sd3_directory(path)
+
+
+register_family(
+    ModelFamily(
+        "tiny-flow-unet",
+        "config.json with architecture 'MilesTinyFlowUNet'",
+        _detect_tiny,
+        _load_tiny,
+        text_prompts=False,
+    )
+)
+register_family(
+    ModelFamily(
+        "sd3",
+        "a diffusers directory whose model_index.json names StableDiffusion3Pipeline",
+        _detect_sd3,
+        _load_sd3,
+        text_prompts=True,
+    )
+)
+
+
+def families() -> dict[str, ModelFamily]:
+    return dict(_FAMILIES)
+
+
+def supported() -> str:
+    """One line naming every family and what it recognises."""
+    return "; ".join(f"{f.name} ({f.recognises})" for f in _FAMILIES.values())
+
+
+def _describe(path: Path) -> str:
+    index = path / "model_index.json"
+    if index.is_file():
+        try:
+            name = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+        except (OSError, ValueError, AttributeError):
+            name = None
+        return f"a diffusers {name or 'pipeline'} directory"
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+            kind = data.get("architecture") or data.get("architectures") or data.get("_class_name")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        return f"a model directory of {kind!r}" if kind else "a model directory of an unknown architecture"
+    return "a directory with neither model_index.json nor config.json"
+
+
+def family_for(directory: str | Path) -> ModelFamily:
+    """The family that loads ``directory``; one ValueError naming the supported ones if none does."""
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model {str(directory)!r} is not a directory")
+    for family in _FAMILIES.values():
+        if family.detect(path):
+            return family
+    raise ValueError(f"{directory}: {_describe(path)}; miles-diffusion loads: {supported()}")
+
+
+def load_model(
+    directory: str | Path, precision: PrecisionConfig | None = None, prompts: tuple[str, ...] = ()
+) -> DiffusionModel:
+    """The model in ``directory``, by its family (the tiny UNet ignores ``prompts``; a text family
+    needs them)."""
+    family = family_for(directory)
+    if prompts and not family.text_prompts:
+        raise ValueError(
+            f"{directory}: the {family.name} family is prompted by id only; the recipe's `prompts:` "
+            "list applies to text families (sd3)"
+        )
+    return family.load(Path(directory).expanduser(), precision, tuple(prompts))
