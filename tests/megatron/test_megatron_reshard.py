@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from megatron_helpers import SHAPE, make_batch, make_checkpoint
 from safetensors.torch import load_file
 
 from miles_megatron.backend import MegatronBackend
-from miles_megatron.ranks import RankError
 
 pytestmark = pytest.mark.slow
 
@@ -154,34 +152,54 @@ def test_tp2_checkpoint_resumes_on_one_rank_dp2_and_back_on_tp2(tmp_path):
     assert SHAPE["num_key_value_heads"] == 2  # two query groups: one per TP rank
 
 
-def test_what_does_not_reshard_is_refused_in_one_line(tmp_path):
-    """A LoRA checkpoint, and a layout with PP > 1 (CPU launches none), under another layout."""
+def test_a_layout_with_pp_is_refused_in_one_line(tmp_path):
+    """CPU launches no PP / CP / EP layout, so a checkpoint under one does not reshard."""
     from miles.errors import ComponentError
     from miles_megatron.layout import ParallelLayout
     from miles_megatron.reshard import CPUReshard
 
-    path = make_checkpoint("qwen3", tmp_path / "hf")
-    spec = dataclasses.replace(
-        _spec(path), config={"lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}
-    )
-    backend = MegatronBackend()
-    backend.setup(spec)
-    try:
-        backend.train_step(make_batch(n=3, seed=2))
-        backend.save_checkpoint(str(tmp_path / "lora"))
-        marker_path = tmp_path / "lora" / "miles_megatron.json"
-        marker = json.loads(marker_path.read_text())
-        shutil.copytree(tmp_path / "lora" / "cpu" / "rank00000", tmp_path / "lora" / "cpu" / "rank00001")
-        marker["world"], marker["layout"]["tensor_model_parallel_size"] = 2, 2  # as if written on TP = 2
-        marker_path.write_text(json.dumps(marker))
-        with pytest.raises((ComponentError, RankError), match="a LoRA checkpoint resumes only on the layout"):
-            backend.load_checkpoint(str(tmp_path / "lora"))
-    finally:
-        backend.shutdown()
     one = ParallelLayout(world=1, tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, edp=1)
     pp2 = ParallelLayout(world=2, tp=1, pp=2, cp=1, ep=1, etp=1, dp=1, edp=1)
     with pytest.raises(ComponentError, match="reshard across tensor- and data-parallel sizes only"):
         CPUReshard(str(tmp_path), pp2, one, 0)
+
+
+def test_a_lora_checkpoint_reshards_its_adapter(tmp_path):
+    """A LoRA adapter on every projection (q, k, v and gate, up of the fused linears: ``lora_B`` split by
+    rows; o, down: ``lora_A`` split by columns) saved on TP = 2 and loaded on one rank: the log-probs,
+    the next step and the adapter after it are the TP = 2 run's within float noise, the base untouched."""
+    path = make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    batches = [make_batch(n=5, seed=90 + i) for i in range(3)]
+
+    def run(name, load=None, **megatron):
+        spec = dataclasses.replace(
+            _spec(path, **megatron), config={"lora": {"rank": 4, "alpha": 8.0, "target_modules": targets}}
+        )
+        backend = MegatronBackend()
+        backend.setup(spec)
+        try:
+            if load is None:
+                for b in batches[:2]:
+                    backend.train_step(b)
+                backend.save_checkpoint(str(tmp_path / "ckpt"))
+            else:
+                backend.load_checkpoint(str(load))
+            before = backend.score(batches[2].samples, ["old_logprobs"])["old_logprobs"]
+            metrics = backend.train_step(batches[2])
+            backend.export_hf(str(tmp_path / name))  # the adapter, as peft saves it
+            return metrics, before, load_file(str(tmp_path / name / "adapter_model.safetensors"))
+        finally:
+            backend.shutdown()
+
+    want = run("tp2", num_ranks=2, tensor_parallel=2)
+    got = run("one", load=tmp_path / "ckpt")
+    assert _max_diff(got[1], want[1]) < 1e-5
+    assert got[0]["train/loss"] == pytest.approx(want[0]["train/loss"], abs=1e-5)
+    assert got[0]["train/grad_norm"] == pytest.approx(want[0]["train/grad_norm"], rel=1e-5)
+    assert set(got[2]) == set(want[2]) and len(want[2]) == 2 * len(targets) * SHAPE["num_hidden_layers"]
+    assert max(float((got[2][k] - want[2][k]).abs().max()) for k in want[2]) < 1e-5
+    assert min(float(want[2][k].abs().max()) for k in want[2] if "lora_B" in k) > 1e-3  # every B trained
 
 
 def test_a_critic_checkpoint_reshards_with_the_policy(tmp_path):

@@ -20,9 +20,12 @@ Under another one, each new rank rebuilds its own shards here:
   every layout builds the same model, whose ``named_parameters`` order does not depend on TP, and each
   rebuilt moment is checked against its parameter's shape.
 
+LoRA checkpoints hold only the adapter and its AdamW state; its factors reshard by :func:`lora_dim`
+(each targeted part of a fused linear is its own factor, so a plain split is right for them).
+
 What it takes: both layouts with PP = CP = EP = 1 and ETP = TP (the CPU launch runs no other), any TP
 that the model's heads divide, and any DP. Not here: optimizer-state streaming (its bucket files are
-per rank and per layout), LoRA adapters; both are refused by the trainer in one line each.
+per rank and per layout), refused by the trainer in one line.
 """
 
 from __future__ import annotations
@@ -84,12 +87,35 @@ def _source_ranks(saved: ParallelLayout, tp_indices: list[int]) -> list[int]:
     return [by_tp[t] for t in tp_indices]
 
 
+_COLUMN_LINEARS = (".linear_qkv.", ".linear_fc1.")
+_ROW_LINEARS = (".linear_proj.", ".linear_fc2.")
+
+
+def lora_dim(name: str) -> int | None:
+    """The dimension a LoRA factor ``name`` is split along under TP (None: whole on every rank).
+
+    ``lora_B`` of a column-parallel linear (``linear_qkv``, ``linear_fc1``: one factor per fused part,
+    each rank holding its own rows of that part) splits its rows; ``lora_A`` of a row-parallel one
+    (``linear_proj``, ``linear_fc2``) its input columns; the other factor of each is whole
+    (``lora_layers``)."""
+    if ".lora_B." in name and any(m in name for m in _COLUMN_LINEARS):
+        return 0
+    if ".lora_A." in name and any(m in name for m in _ROW_LINEARS):
+        return 1
+    return None
+
+
 def _reshard(
     name: str, shards: list[torch.Tensor], tp: int | None, tp_rank: int, replicated: Replicated
 ) -> torch.Tensor:
     """``name``'s shard ``tp_rank`` of ``tp`` from the saved TP ``shards`` (``tp`` None: the one shard as it is)."""
     if tp is None or replicated(name):
         return shards[0]
+    if ".lora_" in name:  # an adapter factor: a plain split (each fused part is its own factor)
+        dim = lora_dim(name)
+        if dim is None:
+            return shards[0]
+        return torch.cat(shards, dim=dim).chunk(tp, dim=dim)[tp_rank].contiguous()
     return tp_shard(name, tp_unshard(name, shards), tp, tp_rank).contiguous()
 
 

@@ -707,17 +707,9 @@ class MegatronTrainer:
 
     def _load_cpu_resharded(self, directory: str, saved: ParallelLayout) -> None:
         """This rank's shards rebuilt from a CPU checkpoint written under another TP / DP layout
-        (``miles_megatron.reshard``), the critic's with it; a LoRA checkpoint is refused."""
+        (``miles_megatron.reshard``), the critic's with it (a LoRA checkpoint: the adapter's)."""
         from miles_megatron.reshard import CPUReshard
 
-        written = f"TP={saved.tp}, DP={saved.dp} on {saved.world} rank(s)"
-        here = f"TP={self.layout.tp}, DP={self.layout.dp} on {self.layout.world}"
-        if self.lora is not None:
-            raise ComponentError(
-                f"checkpoint {directory} holds a LoRA adapter written under {written}; this run has {here}: "
-                "a LoRA checkpoint resumes only on the layout it was written on (full-parameter CPU "
-                "checkpoints reshard across TP and DP)"
-            )
         reshard = CPUReshard(directory, saved, self.layout, self.rank)
         tensors = reshard.tensors("model.safetensors")
         self._apply_cpu(directory, tensors, reshard.optimizer_state("optimizer.pt", self.gpt, self.optimizer))
