@@ -202,3 +202,20 @@ def test_the_real_recipe_runs_on_the_proxy_directory_and_prints_its_level(
     assert {"reward/mean", "train/loss", "eval/reward_before", "eval/reward_after"} <= set(json.loads(line))
     with pytest.raises(ValueError, match="is not a directory"):
         main(["sd3_flow_grpo", "--model", str(tmp_path / "missing"), "--iterations", "1"])
+
+
+def test_the_core_path_refuses_the_sd3_family_by_name(proxy_dir: Path) -> None:
+    """``miles run`` (the diffusion engine and backend) serves the tiny UNet only so far: an SD3
+    directory or ``builtin:tiny-sd3`` as ``model.path`` is one line naming the driver that runs it."""
+    from miles.config import load_recipe
+    from miles.driver.preflight import close_components, preflight
+    from miles.errors import ConfigError
+    from miles_diffusion.engine.__main__ import main as engine_main
+
+    for ref in ("builtin:tiny-sd3", str(proxy_dir)):
+        with pytest.raises(
+            ConfigError, match=r"a sd3 model; the core path .* python -m miles_diffusion.train"
+        ):
+            close_components(preflight(load_recipe("tiny_flow_grpo", [f"model.path={ref}"])).components)
+    with pytest.raises(SystemExit, match=r"a sd3 model; the core path"):
+        engine_main(["--model", str(proxy_dir)])

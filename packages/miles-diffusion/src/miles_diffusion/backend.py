@@ -42,6 +42,7 @@ from miles.types import Sample, TrainBatch
 from miles_diffusion import lora as lora_mod
 from miles_diffusion.config import SECTION, DiffusionSection
 from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
+from miles_diffusion.families import check_core_path
 from miles_diffusion.image_data import IMAGE_SAMPLES
 from miles_diffusion.losses import ObjectiveLoss
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, save_pretrained
@@ -109,6 +110,10 @@ class DiffusionBackend:
             torch.set_num_threads(section.torch_threads)
         if section.deterministic:
             self._stack.enter_context(deterministic_mode(spec.seed))
+        try:
+            check_core_path(spec.model_path)  # the families the engine and backend serve (tiny UNet)
+        except ValueError as exc:
+            raise ConfigError(f"{WHO}: {exc}") from None
         model = load_pretrained(spec.model_path)
         if section.deterministic:
             check_attention_backends(model)

@@ -143,3 +143,39 @@ def load_model(
             "list applies to text families (sd3)"
         )
     return family.load(Path(directory).expanduser(), precision, tuple(prompts))
+
+
+CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet"})
+"""The families the core path (``miles run``: the diffusion engine and backend) serves so far."""
+
+
+def _core_path_refusal(where: str, family: str) -> str:
+    return (
+        f"{where}: a {family} model; the core path (miles run: the diffusion engine and backend) serves "
+        f"{', '.join(sorted(CORE_PATH_FAMILIES))} models so far; run the {family} family's recipes with "
+        "python -m miles_diffusion.train (docs/diffusion.md, 'Model families')"
+    )
+
+
+def check_core_path(directory: str | Path) -> ModelFamily:
+    """The family of ``directory`` if the engine and backend serve it; else one ValueError."""
+    family = family_for(directory)
+    if family.name not in CORE_PATH_FAMILIES:
+        raise ValueError(_core_path_refusal(str(directory), family.name))
+    return family
+
+
+def check_core_model_ref(ref: str) -> None:
+    """``model.path`` of a ``miles run`` recipe (a directory or ``builtin:NAME``), checked before the
+    core resolves it: a model directory of a family the core path does not serve is refused by name
+    (a built-in is judged by its declared architecture, without building it)."""
+    from miles.models.registry import BUILTIN_PREFIX, builtin_models
+
+    if ref.startswith(BUILTIN_PREFIX):
+        spec = builtin_models().get(ref[len(BUILTIN_PREFIX) :])
+        if spec is not None and spec.kind == "diffusion" and spec.architecture == "StableDiffusion3Pipeline":
+            raise ValueError(_core_path_refusal(f"model.path {ref}", "sd3"))
+        return
+    path = Path(ref).expanduser()
+    if path.is_dir() and (path / "model_index.json").is_file():
+        check_core_path(path)

@@ -32,6 +32,16 @@ def miles_config_sections() -> list[ConfigSection]:
 
 @hookimpl
 def miles_configure(config: Any) -> None:
+    if config.backend == "diffusion" or config.engine.launcher == "diffusion":
+        # Before the core resolves model.path: a diffusers directory of a family the engine and
+        # backend do not serve yet (sd3) gets one line naming the driver that runs it.
+        from miles.errors import ConfigError
+        from miles_diffusion.families import check_core_model_ref
+
+        try:
+            check_core_model_ref(str(config.model.path))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     # Supervised mode skips the component checks (no engines, no miles_check_config): its checks run here.
     if config.mode == "sft":
         from miles_diffusion.sft_checks import check_supervised_recipe

@@ -49,6 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_batch_size < 1:
         raise SystemExit(f"miles diffusion engine: --max-batch-size must be >= 1, got {args.max_batch_size}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
+        if os.path.isfile(os.path.join(args.model, "model_index.json")):
+            from miles_diffusion.families import check_core_path
+
+            try:
+                check_core_path(args.model)
+            except ValueError as exc:
+                raise SystemExit(f"miles diffusion engine: {exc}") from None
         raise SystemExit(f"miles diffusion engine: {args.model!r} is not a model directory (no config.json)")
     sock = listen(
         args.host, args.port, "miles diffusion engine", backlog=512
