@@ -111,12 +111,10 @@ def test_cpu_launch_refuses_what_it_does_not_run(tmp_path):
         MegatronBackend().setup(_spec(moe))
 
 
-def test_streamed_optimizer_over_tp2_ranks_resumes_only_on_its_layout(tmp_path):
+def test_streamed_optimizer_over_tp2_ranks_resumes_on_its_layout_and_on_one_rank(tmp_path):
     """Optimizer-state streaming on two TP ranks: each rank streams its own shards' state; the TP = 2
-    run matches the TP = 1 run, resumes from its checkpoint, and TP = 1 refuses that checkpoint."""
-    from miles.errors import ComponentError
-    from miles_megatron.ranks import RankError
-
+    run matches the TP = 1 run, resumes from its checkpoint, and one rank resumes it too (its buckets
+    rebuilt from both ranks' files, ``miles_megatron.reshard``): the next loss is the TP = 2 run's."""
     path = make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False)
     batches = [make_batch(n=5, seed=60 + i) for i in range(2)]
     streamed = dict(optimizer_streaming=True, optimizer_streaming_bucket_mb=0.02)
@@ -140,5 +138,4 @@ def test_streamed_optimizer_over_tp2_ranks_resumes_only_on_its_layout(tmp_path):
     assert two == pytest.approx(one, abs=1e-5)
     assert sorted(p.name for p in (tmp_path / "ckpt2" / "streaming").iterdir()) == ["rank00000", "rank00001"]
     assert run(ckpt=tmp_path / "ckpt2", num_ranks=2, tensor_parallel=2) == [two[1]]
-    with pytest.raises((ComponentError, RankError), match="resumes only on the same layout"):
-        run(ckpt=tmp_path / "ckpt2")
+    assert run(ckpt=tmp_path / "ckpt2") == pytest.approx([two[1]], abs=1e-5)

@@ -276,3 +276,49 @@ def test_miles_run_resumes_a_tp2_run_on_one_rank(tmp_path, monkeypatch):
     rows = read_rows(result.metrics_path)
     assert [r["step"] for r in rows][-2:] == [2, 3]  # from the step-2 checkpoint, on one rank
     assert rows[-1]["train/grad_norm"] > 0 and rows[-1]["correction/abs_dev"] < 1e-4
+
+
+def test_streamed_optimizer_state_reshards_tp2_to_one_rank_and_back(tmp_path):
+    """``megatron.optimizer_streaming`` (AdamW's FP32 masters and moments in per-rank bucket files, small
+    buckets so that TP = 2 and one rank cut them differently): saved on TP = 2, loaded on one rank (the
+    log-probs and the next step within float noise of the TP = 2 run's), saved there right after
+    loading and loaded back on TP = 2: every bucket file's tensors are the first checkpoint's, bit for bit,
+    and the next step is the first run's exactly."""
+    path = make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False)
+    batches = [make_batch(n=5, seed=100 + i) for i in range(3)]
+    streamed = dict(optimizer_streaming=True, optimizer_streaming_bucket_mb=0.02)
+    tp2 = dict(num_ranks=2, tensor_parallel=2)
+
+    def run(save, load=None, **megatron):
+        backend = MegatronBackend()
+        backend.setup(_spec(path, **streamed, **megatron))
+        try:
+            if load is None:
+                for b in batches[:2]:
+                    backend.train_step(b)
+            else:
+                backend.load_checkpoint(str(load))
+            backend.save_checkpoint(str(save))
+            before = backend.score(batches[2].samples, ["old_logprobs"])["old_logprobs"]
+            return backend.train_step(batches[2]), before
+        finally:
+            backend.shutdown()
+
+    want = run(tmp_path / "s2", **tp2)
+    one = run(tmp_path / "s1", load=tmp_path / "s2")
+    back = run(tmp_path / "s2b", load=tmp_path / "s1", **tp2)
+    assert _max_diff(one[1], want[1]) < 1e-5
+    assert one[0]["train/loss"] == pytest.approx(want[0]["train/loss"], abs=1e-5)
+    assert one[0]["train/grad_norm"] == pytest.approx(want[0]["train/grad_norm"], rel=1e-5)
+    for key in ("train/loss", "train/grad_norm"):
+        assert back[0][key] == want[0][key], key
+    assert back[1] == want[1]
+    for rank in ("rank00000", "rank00001"):
+        a, b = tmp_path / "s2" / "streaming" / rank, tmp_path / "s2b" / "streaming" / rank
+        files = sorted(p.name for p in a.glob("bucket-*.safetensors"))
+        assert files == sorted(p.name for p in b.glob("bucket-*.safetensors")) and len(files) > 2
+        for name in files:
+            x, y = load_file(str(a / name)), load_file(str(b / name))
+            assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x), (rank, name)
+    ones = sorted(p.name for p in (tmp_path / "s1" / "streaming" / "rank00000").glob("bucket-*.safetensors"))
+    assert len(ones) != len(files)  # one rank cut its buckets otherwise

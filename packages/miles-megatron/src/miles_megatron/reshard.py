@@ -23,9 +23,12 @@ Under another one, each new rank rebuilds its own shards here:
 LoRA checkpoints hold only the adapter and its AdamW state; its factors reshard by :func:`lora_dim`
 (each targeted part of a fused linear is its own factor, so a plain split is right for them).
 
+Streamed optimizer state (``megatron.optimizer_streaming``: FP32 masters and both moments per
+parameter in each rank's bucket files) reshards the same way, one parameter at a time, into this
+run's own buckets (:meth:`CPUReshard.streamed`).
+
 What it takes: both layouts with PP = CP = EP = 1 and ETP = TP (the CPU launch runs no other), any TP
-that the model's heads divide, and any DP. Not here: optimizer-state streaming (its bucket files are
-per rank and per layout), refused by the trainer in one line.
+that the model's heads divide, and any DP.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from miles.errors import ComponentError
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import tp_shard, tp_unshard
 from miles_megatron.layout import ParallelLayout, plan_layout
+from miles_megatron.streaming import StreamingAdamW
 
 # Which names are replicated over TP although convert's name table would split them (the critic's value head
 # sits in the output layer's slot).
@@ -142,6 +146,16 @@ class CPUReshard:
 
     def _path(self, source: int, file: str) -> str:
         return os.path.join(self.directory, "cpu", f"rank{source:05d}", file)
+
+    def streamed(self, optimizer: StreamingAdamW) -> None:
+        """This rank's streamed AdamW state (bucket files; the parameters become their masters) from the
+        saved ranks' (``streaming/rankNNNNN/``)."""
+        sources = [os.path.join(self.directory, "streaming", f"rank{s:05d}") for s in self.sources]
+
+        def one(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+            return _reshard(name, shards, self.tp, self.tp_rank, _never)
+
+        optimizer.load_resharded(sources, one, f"checkpoint {self.directory}")
 
     def tensors(self, weights_file: str, replicated: Replicated = _never) -> dict[str, torch.Tensor]:
         """This rank's model tensors from the saved ranks' ``weights_file`` (safetensors)."""

@@ -13,20 +13,23 @@ dtype, so a checkpoint needs only the bucket files: loading them restores the mo
 Counters (:attr:`StreamingAdamW.loads`, :attr:`StreamingAdamW.peak_resident_bytes`) are
 exposed so tests and benchmarks can see what was resident.
 
-Resuming needs the same layout: :meth:`StreamingAdamW.save` writes a manifest with the parallel
+Resuming on the same layout: :meth:`StreamingAdamW.save` writes a manifest with the parallel
 layout, this rank, the moments' dtype and every bucket's parameter names and shapes, and
-:meth:`StreamingAdamW.load` refuses, in one sentence, any difference.
+:meth:`StreamingAdamW.load` refuses, in one sentence, any difference. Under another TP / DP layout
+:meth:`StreamingAdamW.load_resharded` rebuilds this rank's buckets from the saved ranks' files, one
+parameter at a time (``miles_megatron.reshard``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -273,6 +276,73 @@ class StreamingAdamW:
                     p = self.params[i]
                     p.param.data.copy_(state[f"{p.name}.master"])
             self._release(state)
+
+    def load_resharded(
+        self,
+        sources: Sequence[str],
+        reshard: Callable[[str, list[torch.Tensor]], torch.Tensor],
+        where: str,
+    ) -> None:
+        """This rank's state rebuilt from state saved under another layout (``miles_megatron.reshard``).
+
+        ``sources``: the saved ranks' directories whose shards this rank's are made of (in TP order);
+        ``reshard(name, shards)``: this rank's shard of parameter ``name`` from theirs. Every field but
+        the step count (the masters and both moments, in their stored dtype) goes through it, one
+        parameter at a time, read from the saved bucket files as needed (``safe_open``), so what is
+        resident is one bucket of this rank's and one parameter's saved shards. The buckets are this
+        run's own; the parameters become their masters."""
+        from safetensors import safe_open
+
+        manifests = []
+        for source in sources:
+            path = os.path.join(source, MANIFEST)
+            if not os.path.isfile(path):
+                raise ComponentError(f"{source} holds no streamed optimizer state ({MANIFEST} is missing)")
+            with open(path) as f:
+                manifests.append(json.load(f))
+        own = self.manifest()
+        names = sorted(name for bucket in own["buckets"] for name, _ in bucket)
+        for source, saved in zip(sources, manifests, strict=True):
+            if saved.get("format") != FORMAT:
+                raise ComponentError(
+                    f"{where}: streamed optimizer state of format {saved.get('format')!r}, expected {FORMAT!r}"
+                )
+            if saved["moments"] != own["moments"]:
+                raise ComponentError(
+                    f"{where}: the streamed optimizer state keeps its moments in {saved['moments']}, this run in "
+                    f"{own['moments']} (megatron.optimizer_streaming_moments); resume it with the same moments"
+                )
+            if sorted(name for bucket in saved["buckets"] for name, _ in bucket) != names:
+                raise ComponentError(f"{where}: the streamed optimizer state in {source} is of another model")
+        with contextlib.ExitStack() as stack:
+            files: list[dict[str, Any]] = []  # per source: parameter name -> its open bucket file
+            for source, saved in zip(sources, manifests, strict=True):
+                by_name = {}
+                for index, bucket in enumerate(saved["buckets"]):
+                    f = stack.enter_context(
+                        safe_open(os.path.join(source, f"bucket-{index:05d}.safetensors"), "pt")
+                    )
+                    by_name.update({name: f for name, _ in bucket})
+                files.append(by_name)
+            for index, bucket in enumerate(self.buckets):
+                state: dict[str, torch.Tensor] = {}
+                for i in bucket:
+                    p = self.params[i]
+                    for field in _FIELDS:
+                        key = f"{p.name}.{field}"
+                        t = reshard(p.name, [by_name[p.name].get_tensor(key) for by_name in files])
+                        if t.shape != p.param.shape:
+                            raise ComponentError(
+                                f"{where}: {p.name}'s {field} resharded to {tuple(t.shape)}, the parameter is "
+                                f"{tuple(p.param.shape)}"
+                            )
+                        state[key] = t
+                    state[f"{p.name}.step"] = files[0][p.name].get_tensor(f"{p.name}.step")
+                self._write(index, state)
+                with torch.no_grad():
+                    for i in bucket:
+                        p = self.params[i]
+                        p.param.data.copy_(state[f"{p.name}.master"])
 
     def check_manifest(self, saved: Mapping[str, Any], where: str) -> None:
         """Refuse, in one sentence, a saved state that is not this optimizer's layout."""

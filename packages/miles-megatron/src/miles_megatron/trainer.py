@@ -675,15 +675,6 @@ class MegatronTrainer:
     def _cpu_dir(self, directory: str) -> str:
         return os.path.join(directory, "cpu", f"rank{self.rank:05d}")
 
-    def _check_same_layout(self, marker: dict[str, Any], directory: str, what: str) -> None:
-        if marker.get("layout") != self.layout.megatron_kwargs() or marker.get("world") != self.layout.world:
-            raise ComponentError(
-                f"checkpoint {directory} was written under layout {marker.get('layout')} on "
-                f"{marker.get('world')} rank(s); this run has {self.layout.megatron_kwargs()} on "
-                f"{self.layout.world}: {what} resumes only on the same layout (resume it with the sizes and "
-                "megatron.num_ranks it was written with)"
-            )
-
     def _save_cpu(self, directory: str) -> None:
         """The CPU trainer's rank state: its model shards (safetensors) and torch's AdamW state."""
         from safetensors.torch import save_file
@@ -782,8 +773,13 @@ class MegatronTrainer:
                     f"megatron.optimizer_streaming is on but checkpoint {directory} was written without it "
                     f"(optimizer {written!r}); a streamed run resumes only from a streamed checkpoint"
                 )
-            self._check_same_layout(marker, directory, "streamed optimizer state")
-            self.streaming.load(self._streamed_dir(directory))
+            from miles_megatron.reshard import CPUReshard, same_layout, saved_layout
+
+            saved = saved_layout(marker)
+            if same_layout(saved, self.layout):
+                self.streaming.load(self._streamed_dir(directory))
+            else:  # another TP / DP layout: this rank's buckets rebuilt from the saved ranks'
+                CPUReshard(directory, saved, self.layout, self.rank).streamed(self.streaming)
             self.optimizer_steps = int(marker["optimizer_steps"])
             return
         if written == STREAMED:
