@@ -27,7 +27,7 @@ def miles_config_sections() -> list[ConfigSection]:
             model=MegatronOptions,
             description="Megatron-core training backend: parallel layout (TP, PP, CP, EP, ETP), device",
             # A resume may change the TP / DP layout: the trainer reshards its checkpoint (or refuses
-            # what it cannot reshard in one line: streamed optimizer state, PP / CP / EP layouts).
+            # what it cannot reshard in one line: PP / CP / EP layouts).
             resume_mutable=RESUME_MUTABLE,
         )
     ]
