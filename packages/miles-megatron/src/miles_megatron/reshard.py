@@ -1,4 +1,4 @@
-"""The CPU trainer's checkpoints read under another parallel layout: tensor- and data-parallel changes.
+"""Per-rank checkpoints read under another parallel layout than they were saved with (TP and DP changes).
 
 A CPU checkpoint (``megatron.device: cpu``) is one directory per saved rank, ``cpu/rankNNNNN/``, with
 that rank's model shards (``model.safetensors``) and torch's AdamW state of them (``optimizer.pt``:
