@@ -219,3 +219,14 @@ def test_the_core_path_refuses_the_sd3_family_by_name(proxy_dir: Path) -> None:
             close_components(preflight(load_recipe("tiny_flow_grpo", [f"model.path={ref}"])).components)
     with pytest.raises(SystemExit, match=r"a sd3 model; the core path"):
         engine_main(["--model", str(proxy_dir)])
+
+
+def test_a_kl_reference_copies_the_transformer_and_shares_the_frozen_parts(model: SD3FlowModel) -> None:
+    trainer = FlowGRPOTrainer(model, FlowGRPOConfig(kl_coef=0.1), TrainerConfig(), 0.7)
+    reference = trainer.reference
+    assert isinstance(reference, SD3FlowModel)
+    assert reference.transformer is not model.transformer
+    assert all(reference.frozen_modules()[k] is m for k, m in model.frozen_modules().items())
+    x, t, ids = torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.8]), torch.tensor([1, 2])
+    with torch.no_grad():
+        assert torch.equal(reference(x, t, ids), model(x, t, ids))
