@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from miles.routing import routing_shape
-from miles.train_rows import OLD_LOGPROBS as OLD_LOGPROBS  # re-exported for trainer.py until its import moves
 from miles.train_rows import Row, longest_first, pack_first_fit
 
 

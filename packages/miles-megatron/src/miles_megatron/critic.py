@@ -55,6 +55,7 @@ from miles_megatron.data_parallel import gather_shares, sum_gradients
 from miles_megatron.export import shard_for_rank
 from miles_megatron.hf_config import HFModel
 from miles_megatron.layout import ParallelLayout
+from miles_megatron.schedule import run_micro_batches
 
 RETURNS = "returns"  # the value targets the advantage estimator computed (TrainBatch.returns)
 HEAD_WEIGHT, HEAD_BIAS = "value_head.weight", "value_head.bias"  # FSDP's ValueModel names
@@ -300,30 +301,11 @@ class MegatronCritic:
             loss, metrics = self._loss(mb, values, num_loss_tokens, num_samples)
             return loss * n, {"metrics": metrics, "loss_tokens": float(mb.num_loss_tokens)}
 
-        if not self.cuda:  # the no-pipelining schedule's loop, as the policy's CPU trainer runs it
-            outs = []
-            for mb in mbs:
-                loss, reduced = loss_func(mb, n, self.model(**_model_inputs(mb, False)))
-                (loss / n).backward()
-                outs.append(reduced)
-        else:
-            from megatron.core.pipeline_parallel import get_forward_backward_func  # type: ignore[import-untyped]
+        def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
+            mb = next(data)
+            return model(**_model_inputs(mb, self.cuda)), functools.partial(loss_func, mb, n)
 
-            def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
-                mb = next(data)
-                return model(**_model_inputs(mb, True)), functools.partial(loss_func, mb, n)
-
-            outs = list(
-                get_forward_backward_func()(
-                    forward_step_func=forward_step,
-                    data_iterator=iter(mbs),
-                    model=[self.model],
-                    num_microbatches=n,
-                    seq_length=max(int(mb.tokens.shape[1]) for mb in mbs),
-                    micro_batch_size=max(int(mb.tokens.shape[0]) for mb in mbs),
-                    forward_only=False,
-                )
-            )
+        outs = run_micro_batches(self.model, mbs, forward_step, cuda=self.cuda, forward_only=False)
         return [(o["metrics"], o["loss_tokens"]) for o in outs]
 
     def train_step(

@@ -62,8 +62,9 @@ from miles.interfaces import (
 )
 from miles.lr_schedule import decay_steps, lr_multiplier
 from miles.routing import ROUTING_MISMATCH
+from miles.train_rows import OLD_LOGPROBS, Row
 from miles_megatron import lora as lora_mod
-from miles_megatron.batch import OLD_LOGPROBS, MicroBatch, Row, collate, token_logprobs
+from miles_megatron.batch import MicroBatch, collate, token_logprobs
 from miles_megatron.config import MegatronOptions
 from miles_megatron.convert import Spec, hf_to_megatron
 from miles_megatron.data_parallel import dp_share, gather_shares, interleave, sum_gradients
@@ -73,6 +74,7 @@ from miles_megatron.layout import ParallelLayout
 from miles_megatron.offload import DiskSpill, StorageOffloader
 from miles_megatron.parallel import megatron_parallel
 from miles_megatron.routing import REPLAY_FIELD, RouterHooks, routers_of, supports_replay
+from miles_megatron.schedule import run_micro_batches
 from miles_megatron.streaming import StreamedParam, StreamingAdamW, StreamingConfig
 
 log = logging.getLogger(__name__)
@@ -339,8 +341,6 @@ class MegatronTrainer:
     # ---------------------------------------------------------------- passes
 
     def _run_schedule(self, micro_batches: list[MicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func  # type: ignore[import-untyped]
-
         n = len(micro_batches)
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
@@ -355,26 +355,8 @@ class MegatronTrainer:
             )
             return gather_vocab(logits), functools.partial(loss_func, mb, n)
 
-        if not self.cuda:  # megatron's no-pipelining schedule, whose own code allocates on CUDA
-            data = iter(micro_batches)
-            outs = []
-            for _ in range(n):
-                logits, reduce_fn = forward_step(data, self.model)
-                loss, out = reduce_fn(logits)
-                if not forward_only:
-                    (loss / n).backward()
-                outs.append(out)
-            return outs
-        return list(
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
-                model=[self.model],
-                num_microbatches=n,
-                seq_length=max(int(mb.tokens.shape[1]) for mb in micro_batches),
-                micro_batch_size=max(int(mb.tokens.shape[0]) for mb in micro_batches),
-                forward_only=forward_only,
-            )
+        return run_micro_batches(
+            self.model, micro_batches, forward_step, cuda=self.cuda, forward_only=forward_only
         )
 
     def _packed_kwargs(self, mb: MicroBatch) -> dict[str, Any]:
