@@ -230,3 +230,34 @@ def test_a_kl_reference_copies_the_transformer_and_shares_the_frozen_parts(model
     x, t, ids = torch.randn(2, 4, 8, 8), torch.tensor([0.3, 0.8]), torch.tensor([1, 2])
     with torch.no_grad():
         assert torch.equal(reference(x, t, ids), model(x, t, ids))
+
+
+def test_with_t5_the_conditioning_is_sd3s_too(tmp_path: Path) -> None:
+    """The SD3.5 layout carries T5 (``text_encoder_3``, ``tokenizer_3``): a proxy built with one T5
+    layer loads, and its encodings equal diffusers' pipeline's bit for bit, T5 states included."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from miles_diffusion.sd3 import TinySD3Config, build_tiny_sd3
+
+    build_tiny_sd3(tmp_path / "t5", 0, TinySD3Config(t5_layers=1))
+    index = json.loads((tmp_path / "t5" / "model_index.json").read_text())
+    assert index["text_encoder_3"] == ["transformers", "T5EncoderModel"]
+    model = load_model(tmp_path / "t5", prompts=PROMPTS[:2])
+    assert isinstance(model, SD3FlowModel) and "text_encoder_3" in model.frozen_modules()
+    pipe: Any = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "t5"), dtype=torch.float32)
+    ours = model.encode_prompts(torch.tensor([1, 0]))
+    for row, text in ((0, PROMPTS[1]), (1, PROMPTS[0])):
+        with torch.no_grad():  # as the pipeline's own __call__ runs it (SDPA picks its kernel by grad mode)
+            sequence, _, pooled, _ = pipe.encode_prompt(
+                prompt=text, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False
+            )
+        assert torch.equal(ours.sequence[row : row + 1], sequence) and torch.equal(
+            ours.pooled[row : row + 1], pooled
+        )
+    assert ours.sequence[:, 77:].abs().sum() > 0  # T5's states, not the zeros of a T5-less directory
+    check_attention_backends(model)
+    trajectory = sample(
+        model, torch.tensor([0, 1]), SamplerConfig(num_steps=2), torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        assert torch.equal(step_log_prob(model, trajectory, 1, 0.7)[0], trajectory.log_probs[:, 1])

@@ -373,6 +373,9 @@ class TinySD3Config:
     shift: float = 3.0
     scaling_factor: float = 1.5305
     shift_factor: float = 0.0609
+    t5_layers: int = 0
+    """0: no T5 (``builtin:tiny-sd3``); else a T5 encoder of this depth, width ``joint_attention_dim``,
+    over a character-level tokenizer (the layout of SD3.5 directories, which carry T5)."""
 
 
 def _byte_characters() -> list[str]:
@@ -408,12 +411,25 @@ def write_byte_clip_tokenizer(directory: Path, max_length: int = 77) -> Any:
     return tokenizer
 
 
+def write_char_t5_tokenizer(directory: Path) -> Any:
+    """A valid T5 (unigram) tokenizer over printable ASCII: each character a piece, alone and after
+    the word-start mark; ``<pad>``, ``</s>`` and ``<unk>`` first, as T5's are."""
+    from transformers import T5Tokenizer
+
+    chars = [chr(c) for c in range(0x21, 0x7F)]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + c, -4.0) for c in chars] + [(c, -5.0) for c in chars]
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
 def build_tiny_sd3(dest: Path, seed: int, config: TinySD3Config | None = None) -> None:
     """Builder of the built-in ``tiny-sd3``: the proxy as a diffusers ``StableDiffusion3Pipeline``
     directory, random weights from ``seed`` (the caller's RNG is left as it was)."""
     import diffusers
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     c = config or TinySD3Config()
     dest = Path(dest)
@@ -468,10 +484,27 @@ def build_tiny_sd3(dest: Path, seed: int, config: TinySD3Config | None = None) -
             )
             for width in c.clip_widths
         ]
+        t5: Any = None
+        if c.t5_layers:
+            t5_tokenizer = write_char_t5_tokenizer(dest / "tokenizer_3")
+            t5 = T5EncoderModel(
+                T5Config(
+                    vocab_size=len(t5_tokenizer),
+                    d_model=c.joint_attention_dim,
+                    d_kv=8,
+                    d_ff=2 * c.joint_attention_dim,
+                    num_layers=c.t5_layers,
+                    num_heads=2,
+                    pad_token_id=int(t5_tokenizer.pad_token_id),
+                    eos_token_id=int(t5_tokenizer.eos_token_id),
+                )
+            )
     cast(Any, transformer).save_pretrained(str(dest / "transformer"))
     cast(Any, vae).save_pretrained(str(dest / "vae"))
     encoders[0].save_pretrained(str(dest / "text_encoder"))
     encoders[1].save_pretrained(str(dest / "text_encoder_2"))
+    if t5 is not None:
+        t5.save_pretrained(str(dest / "text_encoder_3"))
     scheduler: Any = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
     scheduler.save_pretrained(str(dest / "scheduler"))
     index = {
@@ -482,8 +515,8 @@ def build_tiny_sd3(dest: Path, seed: int, config: TinySD3Config | None = None) -
             for name, (library, classes, required) in _COMPONENTS.items()
             if required
         },
-        "text_encoder_3": [None, None],
-        "tokenizer_3": [None, None],
+        "text_encoder_3": ["transformers", "T5EncoderModel"] if t5 is not None else [None, None],
+        "tokenizer_3": ["transformers", "T5TokenizerFast"] if t5 is not None else [None, None],
         "image_encoder": [None, None],
         "feature_extractor": [None, None],
     }
