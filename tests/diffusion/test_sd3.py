@@ -204,21 +204,40 @@ def test_the_real_recipe_runs_on_the_proxy_directory_and_prints_its_level(
         main(["sd3_flow_grpo", "--model", str(tmp_path / "missing"), "--iterations", "1"])
 
 
-def test_the_core_path_refuses_the_sd3_family_by_name(proxy_dir: Path) -> None:
-    """``miles run`` (the diffusion engine and backend) serves the tiny UNet only so far: an SD3
-    directory or ``builtin:tiny-sd3`` as ``model.path`` is one line naming the driver that runs it."""
+def test_the_core_path_takes_an_sd3_directory_and_refuses_another_pipeline(
+    proxy_dir: Path, tmp_path: Path
+) -> None:
+    """``miles run`` serves the sd3 family: the core's ``model.path`` check accepts the pipeline
+    directory through the package's ``miles_model_directory`` hook (no top-level config.json), and
+    the recipe checks want its prompt texts; a pipeline of another class is refused in one line
+    naming the supported families, by the recipe check and by the engine alike."""
     from miles.config import load_recipe
     from miles.driver.preflight import close_components, preflight
     from miles.errors import ConfigError
+    from miles.models.registry import check_model_dir, claimed_directory
     from miles_diffusion.engine.__main__ import main as engine_main
 
+    assert check_model_dir(proxy_dir) == proxy_dir.resolve()
+    assert claimed_directory(proxy_dir) == "a sd3 diffusers pipeline directory (miles-diffusion)"
+    texts = "rollout.options.prompts=[a cat, a dog, a bird, a fish]"
     for ref in ("builtin:tiny-sd3", str(proxy_dir)):
-        with pytest.raises(
-            ConfigError, match=r"a sd3 model; the core path .* python -m miles_diffusion.train"
-        ):
+        close_components(preflight(load_recipe("tiny_flow_grpo", [f"model.path={ref}", texts])).components)
+        with pytest.raises(ConfigError, match=r"prompted with text: set rollout.options.prompts"):
             close_components(preflight(load_recipe("tiny_flow_grpo", [f"model.path={ref}"])).components)
-    with pytest.raises(SystemExit, match=r"a sd3 model; the core path"):
-        engine_main(["--model", str(proxy_dir)])
+    with pytest.raises(ConfigError, match=r"draws 4 prompt ids, but rollout.options.prompts holds 2"):
+        preflight(
+            load_recipe("tiny_flow_grpo", [f"model.path={proxy_dir}", "rollout.options.prompts=[a, b]"])
+        )
+    with pytest.raises(ConfigError, match=r"prompted by id only; remove the texts"):
+        preflight(load_recipe("tiny_flow_grpo", [texts]))
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    assert claimed_directory(flux) is None
+    with pytest.raises(ConfigError, match=r"a diffusers FluxPipeline directory; miles-diffusion loads: "):
+        preflight(load_recipe("tiny_flow_grpo", [f"model.path={flux}"]))
+    with pytest.raises(SystemExit, match=r"a diffusers FluxPipeline directory"):
+        engine_main(["--model", str(flux)])
 
 
 def test_a_kl_reference_copies_the_transformer_and_shares_the_frozen_parts(model: SD3FlowModel) -> None:

@@ -69,6 +69,18 @@ def miles_check_config(config: MilesConfig) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def miles_model_directory(path: str) -> str | None:
+    """Claim a model directory that is not a Hugging Face model directory (driver).
+
+    The core's ``model.path`` check (``miles.models.registry.check_model_dir``) wants a top-level
+    ``config.json`` and weight files; a plugin whose engines and backend load another layout (a
+    pipeline directory of several components, say) recognises its own here. Return a short
+    description of what the directory is (the directory is then accepted as it is: loading and
+    checking it is the plugin's business), or None when it is not yours. The first answer wins.
+    """
+
+
 @hookspec
 def miles_option_slots(config: MilesConfig) -> list[OptionSlot] | None:
     """The options mappings of the components a plugin's config section selects (driver).

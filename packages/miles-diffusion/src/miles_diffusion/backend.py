@@ -8,6 +8,12 @@ one advantage from the core's estimator (``advantage: diffusion_grpo``). New wei
 through the recipe's transport as the model's full state dict (the colocated hand-off on one machine).
 Checkpoints hold the weights (a model directory), the optimizer and the RNG states.
 
+An SD3 / SD3.5 model (a diffusers pipeline directory, :mod:`miles_diffusion.sd3`) trains its
+transformer only: the prompt texts are ``rollout.options.prompts`` (prompt id ``i`` is ``prompts[i]``,
+the same table the rollout sends the engine), weight updates and checkpoints carry the transformer
+alone (``<checkpoint>/transformer``), and the export is a whole pipeline directory (the base's frozen
+components beside the trained transformer) that diffusers' ``StableDiffusion3Pipeline`` loads.
+
 With a ``lora`` section (the core's: rank, alpha, dropout, target_modules) the backend trains a peft
 LoRA adapter on the denoiser instead (:mod:`miles_diffusion.lora`): the base is frozen, AdamW holds
 the adapter's parameters only, every weight update sends the adapter's tensors only, and the engine
@@ -41,8 +47,9 @@ from miles.plugins import make_component
 from miles.types import Sample, TrainBatch
 from miles_diffusion import lora as lora_mod
 from miles_diffusion.config import SECTION, DiffusionSection
+from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
-from miles_diffusion.families import check_core_path
+from miles_diffusion.families import check_core_path, load_model
 from miles_diffusion.image_data import IMAGE_SAMPLES
 from miles_diffusion.losses import ObjectiveLoss
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, save_pretrained
@@ -57,6 +64,13 @@ from miles_diffusion.objectives import (
 from miles_diffusion.payload import payload_of, stack
 from miles_diffusion.rollout import DiffusionRolloutOptions
 from miles_diffusion.sampler import SamplerConfig, step_log_prob
+from miles_diffusion.sd3 import (
+    TRANSFORMER_DIR,
+    SD3FlowModel,
+    export_pipeline,
+    load_transformer,
+    save_transformer,
+)
 from miles_diffusion.supervised import SupervisedTraining, held_out_images
 
 STATE_FILE = "trainer_state.pt"
@@ -72,7 +86,8 @@ class DiffusionBackend:
     supervised_kinds = frozenset({IMAGE_SAMPLES})
 
     def __init__(self) -> None:
-        self._model: FlowModel | None = None
+        self._model: DiffusionModel | None = None
+        self._model_path = ""
         self._objective: RolloutObjective | None = None
         self._supervised: SupervisedTraining | None = None  # mode: sft
         self._optimizer: torch.optim.Optimizer | None = None
@@ -104,7 +119,8 @@ class DiffusionBackend:
             )
         run = spec.config or {}
         rollout = run.get("rollout", {})
-        self._sampler = DiffusionRolloutOptions(**rollout.get("options", {})).sampler
+        rollout_options = DiffusionRolloutOptions(**rollout.get("options", {}))
+        self._sampler = rollout_options.sampler
         self._group_size = int(rollout.get("n_samples_per_prompt", 1))
         if section.torch_threads is not None:
             torch.set_num_threads(section.torch_threads)
@@ -114,10 +130,16 @@ class DiffusionBackend:
             check_core_path(spec.model_path)  # the families the engine and backend serve (tiny UNet)
         except ValueError as exc:
             raise ConfigError(f"{WHO}: {exc}") from None
-        model = load_pretrained(spec.model_path)
+        try:
+            model = load_model(spec.model_path, prompts=tuple(rollout_options.prompts or ()))
+        except ValueError as exc:
+            raise ConfigError(f"{WHO}: {exc} (rollout.options.prompts)") from None
+        self._model_path = spec.model_path
         if section.deterministic:
             check_attention_backends(model)
         self._lora = miles.lora.section(run)
+        if self._lora is not None and not isinstance(model, FlowModel):
+            raise ConfigError(f"{WHO}: lora trains the tiny UNet only so far, not a {type(model).__name__}")
         if self._lora is not None:
             # peft injects the adapter into ``model`` itself: the objectives train it as before,
             # and only the adapter's parameters require gradients (the optimizer takes only those).
@@ -135,6 +157,11 @@ class DiffusionBackend:
         )
         objective = build_objective(loss.config, ObjectiveContext(model, trainer, self._sampler))
         if isinstance(objective, SupervisedObjective):  # mode: sft, on the batches of an image source
+            if not isinstance(model, FlowModel):
+                raise ConfigError(
+                    f"{WHO}: mode: sft trains the tiny UNet only so far (a {type(model).__name__} would need "
+                    "its VAE encoder for the given images)"
+                )
             self._supervised = SupervisedTraining(objective, model, held_out_images(run, WHO), WHO)
         elif not isinstance(objective, RolloutObjective):
             raise ConfigError(f"{WHO}: objective {loss.objective!r} trains neither on rollouts nor on images")
@@ -241,7 +268,10 @@ class DiffusionBackend:
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, os.path.join(directory, ADAPTER_DIR))
             state["lora_base_digest"] = self._base_digest
+        elif isinstance(model, SD3FlowModel):  # the transformer alone: the frozen parts are the base's
+            save_transformer(model, directory)
         else:
+            assert isinstance(model, FlowModel)
             save_pretrained(model, os.path.join(directory, MODEL_DIR))
         torch.save(state, os.path.join(directory, STATE_FILE))
 
@@ -259,10 +289,23 @@ class DiffusionBackend:
         self._generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
 
-    def _load_weights(self, model: FlowModel, directory: str, state: dict[str, Any]) -> None:
+    def _load_weights(self, model: DiffusionModel, directory: str, state: dict[str, Any]) -> None:
         """The checkpoint's weights, refused whole if it is of the other kind (LoRA / full) or, for an
         adapter, of another base (the adapter's delta means nothing on other weights)."""
         has_adapter = os.path.isdir(os.path.join(directory, ADAPTER_DIR))
+        if isinstance(model, SD3FlowModel):
+            if not os.path.isdir(os.path.join(directory, TRANSFORMER_DIR)):
+                raise ConfigError(
+                    f"{WHO}: {directory} holds no {TRANSFORMER_DIR}/; it is not an SD3 checkpoint"
+                )
+            try:
+                load_transformer(model, directory)
+            except (ValueError, RuntimeError) as exc:
+                raise ConfigError(
+                    f"{WHO}: the checkpoint's transformer does not fit this model: {exc}"
+                ) from None
+            return
+        assert isinstance(model, FlowModel)
         if self._lora is None:
             if has_adapter:
                 raise ConfigError(
@@ -293,6 +336,10 @@ class DiffusionBackend:
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, directory)
             return
+        if isinstance(model, SD3FlowModel):  # a whole pipeline: the base's frozen parts, this transformer
+            export_pipeline(model, self._model_path, directory)
+            return
+        assert isinstance(model, FlowModel)
         save_pretrained(model, directory)
 
     # ------------------------------------------------------------------ placement
@@ -315,13 +362,13 @@ class DiffusionBackend:
 
     # ------------------------------------------------------------------ helpers
 
-    def _ready(self) -> tuple[FlowModel, RolloutObjective]:
+    def _ready(self) -> tuple[DiffusionModel, RolloutObjective]:
         model = self._policy()
         if self._objective is None:
             raise RuntimeError(f"{WHO}: this run trains given images (mode: sft), not rollouts")
         return model, self._objective
 
-    def _policy(self) -> FlowModel:
+    def _policy(self) -> DiffusionModel:
         if self._model is None:
             raise RuntimeError(f"{WHO}: setup() has not run")
         return self._model

@@ -64,8 +64,44 @@ def check_recipe(config: Any) -> None:
         )
     _refuse_unwired(config)
     _refuse_token_settings(config)
+    text_family = _check_prompt_texts(config)
     if config.lora is not None:
+        if text_family:
+            raise ConfigError("lora: the diffusion slice trains LoRA adapters on the tiny UNet only so far")
         _check_lora(config)
+
+
+def _check_prompt_texts(config: Any) -> bool:
+    """A text-prompted family (sd3) needs ``rollout.options.prompts``, one text per prompt id of the
+    data source; an id-prompted one (the tiny UNet) takes none. Returns whether the model is text-prompted."""
+    import re
+
+    from miles.models.registry import resolve_model
+    from miles_diffusion.families import family_for
+
+    try:
+        family = family_for(resolve_model(config.model.path))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    texts = (config.rollout.options or {}).get("prompts")
+    if not family.text_prompts:
+        if texts is not None:
+            raise ConfigError(
+                f"rollout.options.prompts: the {family.name} model is prompted by id only; remove the texts"
+            )
+        return False
+    if not texts:
+        raise ConfigError(
+            f"model.path is a {family.name} model, prompted with text: set rollout.options.prompts "
+            "(prompt id i is prompts[i])"
+        )
+    match = re.match(r"^ids:([1-9][0-9]*)$", str(config.data.path).strip())
+    if match is not None and int(match.group(1)) != len(texts):
+        raise ConfigError(
+            f"data.path {config.data.path!r} draws {match.group(1)} prompt ids, but rollout.options.prompts holds "
+            f"{len(texts)} texts; draw one id per text (data.path: ids:{len(texts)})"
+        )
+    return True
 
 
 def _check_lora(config: Any) -> None:

@@ -46,6 +46,10 @@ class DiffusionModel(nn.Module):
     Subclasses implement ``forward(x_t [B, *latent_shape], t [B] in [0, 1], prompts) -> v`` (the
     prompts as ids or as :meth:`encode_prompts` output) and the members below."""
 
+    latents_are_pixels: bool = False
+    """Whether :meth:`to_images` is a fixed map of the latents any client can apply (pixel space) or
+    needs the model's own decoder (a VAE): an engine then sends the decoded images beside them."""
+
     @property
     def num_prompts(self) -> int:
         """Prompt ids run over ``0 .. num_prompts - 1``."""

@@ -142,11 +142,26 @@ def load_model(
             f"{directory}: the {family.name} family is prompted by id only; the recipe's `prompts:` "
             "list applies to text families (sd3)"
         )
+    if family.text_prompts and not prompts:
+        raise ValueError(
+            f"the {family.name} family is prompted with text: the recipe needs a non-empty `prompts:` list "
+            "(prompt id i is prompts[i])"
+        )
     return family.load(Path(directory).expanduser(), precision, tuple(prompts))
 
 
-CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet"})
+def load_for_engine(directory: str | Path) -> tuple[ModelFamily, DiffusionModel]:
+    """The model an engine serves: a text family is loaded without a prompt list (each request
+    brings the texts of its prompt ids, and the engine encodes those)."""
+    family = family_for(directory)
+    return family, family.load(Path(directory).expanduser(), None, ())
+
+
+CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3"})
 """The families the core path (``miles run``: the diffusion engine and backend) serves so far."""
+
+_BUILTIN_ARCHITECTURES = {"MilesTinyFlowUNet": "tiny-flow-unet", "StableDiffusion3Pipeline": "sd3"}
+"""The family of a built-in diffusion model, by its declared architecture (judged without building it)."""
 
 
 def _core_path_refusal(where: str, family: str) -> str:
@@ -173,8 +188,13 @@ def check_core_model_ref(ref: str) -> None:
 
     if ref.startswith(BUILTIN_PREFIX):
         spec = builtin_models().get(ref[len(BUILTIN_PREFIX) :])
-        if spec is not None and spec.kind == "diffusion" and spec.architecture == "StableDiffusion3Pipeline":
-            raise ValueError(_core_path_refusal(f"model.path {ref}", "sd3"))
+        family = (
+            _BUILTIN_ARCHITECTURES.get(spec.architecture)
+            if spec is not None and spec.kind == "diffusion"
+            else None
+        )
+        if family is not None and family not in CORE_PATH_FAMILIES:
+            raise ValueError(_core_path_refusal(f"model.path {ref}", family))
         return
     path = Path(ref).expanduser()
     if path.is_dir() and (path / "model_index.json").is_file():

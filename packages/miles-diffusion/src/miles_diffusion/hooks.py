@@ -31,10 +31,27 @@ def miles_config_sections() -> list[ConfigSection]:
 
 
 @hookimpl
+def miles_model_directory(path: str) -> str | None:
+    """A diffusers pipeline directory of a family this package loads (SD3: ``model_index.json``, no
+    top-level ``config.json``) is a model directory for the core's ``model.path`` check."""
+    from pathlib import Path
+
+    if not (Path(path) / "model_index.json").is_file():
+        return None
+    from miles_diffusion.families import family_for
+
+    try:
+        family = family_for(path)
+    except ValueError:
+        return None
+    return f"a {family.name} diffusers pipeline directory (miles-diffusion)"
+
+
+@hookimpl
 def miles_configure(config: Any) -> None:
     if config.backend == "diffusion" or config.engine.launcher == "diffusion":
         # Before the core resolves model.path: a diffusers directory of a family the engine and
-        # backend do not serve yet (sd3) gets one line naming the driver that runs it.
+        # backend do not serve gets one line naming what is supported.
         from miles.errors import ConfigError
         from miles_diffusion.families import check_core_model_ref
 

@@ -57,6 +57,8 @@ class FlowModel(DiffusionModel):
 
     Pixel space: its "latents" are the images in [-1, 1]."""
 
+    latents_are_pixels = True
+
     def __init__(self, config: TinyFlowModelConfig, precision: PrecisionConfig | None = None) -> None:
         super().__init__()
         self.config = config

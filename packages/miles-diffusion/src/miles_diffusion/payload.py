@@ -28,10 +28,15 @@ class TrajectoryPayload:
     seed: int
     sampler: SamplerConfig
     weight_version: int
+    decoded: torch.Tensor | None = None
+    """[C, H, W] in [0, 1]: the engine's decoding of the final latents, for a model whose latents are
+    not pixels (SD3: the VAE runs in the engine); None for a pixel-space model."""
 
     @property
     def image(self) -> torch.Tensor:
         """The generated image in [0, 1], [C, H, W]."""
+        if self.decoded is not None:
+            return self.decoded
         return ((self.latents[-1] + 1.0) / 2.0).clamp(0.0, 1.0)
 
 
@@ -49,9 +54,13 @@ def payload_of(sample: Sample, who: str) -> TrajectoryPayload:
 
 
 def split(
-    trajectory: Trajectory, seeds: list[int], sampler: SamplerConfig, version: int
+    trajectory: Trajectory,
+    seeds: list[int],
+    sampler: SamplerConfig,
+    version: int,
+    images: torch.Tensor | None = None,
 ) -> list[TrajectoryPayload]:
-    """One payload per trajectory of a batch."""
+    """One payload per trajectory of a batch (``images``: the engine's decoded images, if it sent any)."""
     return [
         TrajectoryPayload(
             latents=trajectory.latents[i],
@@ -61,6 +70,7 @@ def split(
             seed=int(seeds[i]),
             sampler=sampler,
             weight_version=version,
+            decoded=None if images is None else images[i],
         )
         for i in range(trajectory.latents.shape[0])
     ]

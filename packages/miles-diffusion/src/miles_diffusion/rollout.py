@@ -68,6 +68,12 @@ class DiffusionRolloutOptions(ComponentOptions):
     decode_workers: int = Field(
         2, ge=1, le=64, description="decode worker processes of the pipelined rollout (one pool per process)"
     )
+    prompts: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the prompt texts of a text-prompted model family (sd3): prompt id i is prompts[i]; "
+        "the rollout sends each trajectory's text to the engine, the backend encodes the same texts",
+    )
 
     @property
     def sampler(self) -> SamplerConfig:
@@ -123,6 +129,14 @@ class DiffusionRollout:
         self, ctx: RolloutContext, group: Group, pid: int, seeds: list[int], options: DiffusionRolloutOptions
     ) -> None:
         served_at_start = ctx.served_version
+        texts = None
+        if options.prompts is not None:
+            if not 0 <= pid < len(options.prompts):
+                raise DataError(
+                    f"prompt id {pid} has no text: rollout.options.prompts holds {len(options.prompts)} "
+                    f"(ids 0..{len(options.prompts) - 1})"
+                )
+            texts = [options.prompts[pid]] * len(seeds)
         # Per microgroup only when the reward scores each image alone: a group-relative reward needs them all.
         per_microgroup = options.pipeline and bool(getattr(ctx.reward, "scores_independently", False))
         try:
@@ -138,6 +152,7 @@ class DiffusionRollout:
                         options.sampler,
                         options.microgroup_size,
                         decode_pool(options.decode_workers),
+                        **({} if texts is None else {"texts": texts}),
                     )
                     async with contextlib.aclosing(microgroups):
                         async for microgroup in microgroups:
@@ -152,7 +167,11 @@ class DiffusionRollout:
                     if generate is None:
                         raise TypeError(_not_diffusion(engine))
                     batch = await generate(
-                        [pid] * len(seeds), seeds, options.sampler, microgroup_size=options.microgroup_size
+                        [pid] * len(seeds),
+                        seeds,
+                        options.sampler,
+                        microgroup_size=options.microgroup_size,
+                        **({} if texts is None else {"texts": texts}),
                     )
                     _attach(group.samples, batch, served_at_start, pid)
         except EngineUnavailable as exc:  # not the group's fault: aborted, so the buffer retries it
@@ -184,7 +203,7 @@ def _attach(samples: list[Sample], batch: TrajectoryBatch, served_at_start: int 
     """Give ``samples`` the batch's trajectories, in order, as finished samples."""
     version = batch.weight_version if served_at_start is None else min(batch.weight_version, served_at_start)
     for sample, payload in zip(
-        samples, split(batch.trajectory, batch.seeds, batch.sampler, version), strict=True
+        samples, split(batch.trajectory, batch.seeds, batch.sampler, version, batch.images), strict=True
     ):
         sample.payload = payload
         sample.status = Status.COMPLETED

@@ -121,11 +121,8 @@ class SD3FlowModel(DiffusionModel):
         precision: PrecisionConfig | None = None,
     ) -> None:
         super().__init__()
-        if not prompts:
-            raise ValueError(
-                "the sd3 family is prompted with text: the recipe needs a non-empty `prompts:` list "
-                "(prompt id i is prompts[i])"
-            )
+        # An engine loads the model without a prompt list: its requests bring the texts
+        # (encode_texts); a trainer gets the recipe's list (families.load_model requires one).
         self.transformer = transformer
         self._frozen = frozen  # a plain attribute, not a submodule: see the module docstring
         for module in frozen.modules().values():
@@ -135,7 +132,7 @@ class SD3FlowModel(DiffusionModel):
         """The directory's FlowMatchEulerDiscreteScheduler: only its sigmas are read."""
         self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
         self.precision = precision or PrecisionConfig()
-        self._encoded: dict[int, SD3Encodings] = {}
+        self._encoded: dict[str, SD3Encodings] = {}
         self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
         """Modules (names under ``transformer.``) computed in FP32 under a BF16/FP16 ``precision``."""
 
@@ -169,10 +166,17 @@ class SD3FlowModel(DiffusionModel):
         bad = sorted({i for i in ids if not 0 <= i < self.num_prompts})
         if bad:
             raise ValueError(f"prompt ids {bad} are outside this recipe's prompts 0..{self.num_prompts - 1}")
-        for i in dict.fromkeys(ids):
-            if i not in self._encoded:
-                self._encoded[i] = self._encode_text(self.prompts[i])
-        return SD3Encodings.cat([self._encoded[i] for i in ids])
+        return self.encode_texts([self.prompts[i] for i in ids])
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str]) -> SD3Encodings:
+        """The conditioning of ``texts``, each distinct text encoded alone (a batch of one) the first
+        time it is asked for and kept: the engine's form (its requests bring the texts), equal bit
+        for bit to :meth:`encode_prompts` of the same texts by id."""
+        for text in dict.fromkeys(texts):
+            if text not in self._encoded:
+                self._encoded[text] = self._encode_text(text)
+        return SD3Encodings.cat([self._encoded[t] for t in texts])
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: Conditioning) -> torch.Tensor:
         """``x_t``: [B, C, h, w] latents; ``t``: [B] in [0, 1]; ``prompts``: ids [B] or
@@ -267,6 +271,67 @@ def _token_ids(tokenizer: Any, text: str, length: int, device: torch.device) -> 
 
 
 # ----------------------------------------------------------------------------- the directory
+
+TRANSFORMER_DIR = "transformer"
+"""The trained component's subfolder: what checkpoints hold and what an export replaces."""
+_WEIGHTS = "diffusion_pytorch_model.safetensors"
+_WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+def save_transformer(model: SD3FlowModel, directory: str | Path) -> Path:
+    """The trainable part alone (``directory/transformer``: diffusers' ``save_pretrained``): a
+    checkpoint's weights. The frozen text encoders and VAE are the base directory's, never copied."""
+    dest = Path(directory) / TRANSFORMER_DIR
+    cast(Any, model.transformer).save_pretrained(str(dest), safe_serialization=True)
+    return dest
+
+
+def read_transformer_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The transformer's weights under ``directory/transformer`` (one file or an index of shards),
+    keyed as the model's ``state_dict`` (``transformer.<name>``); one ValueError if unreadable."""
+    from safetensors.torch import load_file
+
+    root = Path(directory) / TRANSFORMER_DIR
+    index = root / _WEIGHTS_INDEX
+    try:
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        else:
+            files = [_WEIGHTS]
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            state.update(load_file(str(root / name)))
+    except Exception as exc:
+        raise ValueError(
+            f"{directory}: cannot read the transformer's weights ({type(exc).__name__}: {exc})"
+        ) from None
+    return {f"{TRANSFORMER_DIR}.{name}": t for name, t in state.items()}
+
+
+def load_transformer(model: SD3FlowModel, directory: str | Path) -> None:
+    """Load ``directory/transformer``'s weights into ``model`` (every tensor must be there)."""
+    model.load_state_dict(read_transformer_state(directory), strict=True)
+
+
+def export_pipeline(model: SD3FlowModel, base: str | Path, dest: str | Path) -> Path:
+    """A whole ``StableDiffusion3Pipeline`` directory: copies of every component of ``base`` but the
+    transformer, and the trained transformer. Copies, not links: a later in-place write to the export
+    (diffusers' ``save_pretrained`` truncates files it rewrites) must never reach the base."""
+    import shutil
+
+    base, out = Path(base), Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(base.iterdir()):
+        if entry.name == TRANSFORMER_DIR:
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, out / entry.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(entry, out / entry.name)
+    if (out / TRANSFORMER_DIR).exists():
+        shutil.rmtree(out / TRANSFORMER_DIR)
+    save_transformer(model, out)
+    return out
 
 
 def read_model_index(directory: str | Path) -> dict[str, Any]:

@@ -67,6 +67,9 @@ class TrajectoryBatch:
     seeds: list[int]
     sampler: SamplerConfig
     weight_version: int
+    images: torch.Tensor | None = None
+    """[B, 3, H, W] in [0, 1]: the final latents decoded by the model's own decoder (a VAE), sent by
+    an engine whose latents are not pixels (the client has no decoder); None for pixel-space models."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ def pack(batch: TrajectoryBatch, extra: Mapping[str, str] | None = None) -> byte
         "prompts": t.prompts.to(torch.int64).contiguous(),
         "seeds": torch.tensor(batch.seeds, dtype=torch.int64),
     }
+    if batch.images is not None:
+        tensors["images"] = batch.images.contiguous()
     meta = {
         "weight_version": str(batch.weight_version),
         "num_steps": str(batch.sampler.num_steps),
@@ -169,7 +174,13 @@ def _batch(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> Traj
             f"packed trajectory batch is inconsistent: latents {tuple(trajectory.latents.shape)}, "
             f"log_probs {tuple(trajectory.log_probs.shape)}, {len(seeds)} seeds, {sampler.num_steps} steps"
         )
-    return TrajectoryBatch(trajectory, seeds, sampler, version)
+    images = tensors.get("images")
+    if images is not None and (images.ndim != 4 or images.shape[0] != b or not images.is_floating_point()):
+        raise WireError(
+            f"packed trajectory batch is inconsistent: images {images.dtype} {tuple(images.shape)} for {b} "
+            "trajectories (expected [B, C, H, W] floats)"
+        )
+    return TrajectoryBatch(trajectory, seeds, sampler, version, images)
 
 
 def unpack(data: bytes) -> TrajectoryBatch:

@@ -145,6 +145,8 @@ def check_model_dir(ref: str | Path) -> Path:
     missing: list[str] = []
     config_file = path / "config.json"
     if not config_file.is_file():
+        if claimed_directory(path) is not None:  # a plugin's own layout (miles_model_directory)
+            return path.resolve()
         missing.append("config.json")
     else:
         try:
@@ -165,6 +167,14 @@ def check_model_dir(ref: str | Path) -> Path:
             f"it contains: {shown or 'nothing'}{hint}"
         )
     return path.resolve()
+
+
+def claimed_directory(path: str | Path) -> str | None:
+    """What a plugin says ``path`` is (the ``miles_model_directory`` hook), or None if no plugin claims it."""
+    from miles.plugins import get_plugin_manager
+
+    answer = get_plugin_manager().hook.miles_model_directory(path=str(path))
+    return str(answer) if answer else None
 
 
 def _weights_problem(path: Path) -> str | None:

@@ -12,7 +12,11 @@ from miles.engines.process import exit_with_parent, listen
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m miles_diffusion.engine", description=__doc__)
-    p.add_argument("--model", required=True, help="a model directory (config.json + model.safetensors)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a model directory (config.json + model.safetensors, or a diffusers SD3 pipeline directory)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0: a free one)")
     p.add_argument("--device", default="cpu", help="cpu (the only device so far)")
@@ -49,14 +53,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_batch_size < 1:
         raise SystemExit(f"miles diffusion engine: --max-batch-size must be >= 1, got {args.max_batch_size}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
-        if os.path.isfile(os.path.join(args.model, "model_index.json")):
+        if os.path.isfile(os.path.join(args.model, "model_index.json")):  # a diffusers pipeline (sd3)
             from miles_diffusion.families import check_core_path
 
             try:
                 check_core_path(args.model)
             except ValueError as exc:
                 raise SystemExit(f"miles diffusion engine: {exc}") from None
-        raise SystemExit(f"miles diffusion engine: {args.model!r} is not a model directory (no config.json)")
+        else:
+            raise SystemExit(
+                f"miles diffusion engine: {args.model!r} is not a model directory (no config.json)"
+            )
     sock = listen(
         args.host, args.port, "miles diffusion engine", backlog=512
     )  # before the model loads: a taken port fails at once

@@ -107,6 +107,7 @@ class DiffusionClient:
         sampler: SamplerConfig,
         microgroup_size: int | None,
         stream: bool,
+        texts: list[str] | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "prompts": [int(p) for p in prompts],
@@ -114,6 +115,8 @@ class DiffusionClient:
             "num_steps": sampler.num_steps,
             "noise_level": sampler.noise_level,
         }
+        if texts is not None:
+            body["texts"] = [str(t) for t in texts]
         if microgroup_size is not None:
             body["microgroup_size"] = int(microgroup_size)
         if stream:
@@ -126,10 +129,12 @@ class DiffusionClient:
         seeds: list[int],
         sampler: SamplerConfig,
         microgroup_size: int | None = None,
+        texts: list[str] | None = None,
     ) -> TrajectoryBatch:
         """One trajectory per prompt id, trajectory ``i`` drawn from ``seeds[i]``; the engine samples
-        them ``microgroup_size`` at a time (default: all at once) and answers once all are drawn."""
-        body = self._body(prompts, seeds, sampler, microgroup_size, stream=False)
+        them ``microgroup_size`` at a time (default: all at once) and answers once all are drawn.
+        ``texts``: each trajectory's prompt text, for an engine serving a text-prompted family (SD3)."""
+        body = self._body(prompts, seeds, sampler, microgroup_size, stream=False, texts=texts)
         response = await self._request("POST", "/generate_trajectories", body)
         return await asyncio.to_thread(unpack, response.content)
 
@@ -140,6 +145,7 @@ class DiffusionClient:
         sampler: SamplerConfig,
         microgroup_size: int | None,
         decoder: DecodePool,
+        texts: list[str] | None = None,
     ) -> AsyncIterator[Microgroup]:
         """The same trajectories as :meth:`generate_trajectories` with the same ``microgroup_size``,
         bit for bit, yielded microgroup by microgroup in order as soon as each is unpacked.
@@ -148,7 +154,7 @@ class DiffusionClient:
         once, so frame ``k + 1`` is read and unpacked while the caller works on ``k`` (and the
         engine samples ``k + 2``). Close the iterator (``contextlib.aclosing``) to stop early: the
         connection is dropped and the engine stops at its next microgroup."""
-        body = self._body(prompts, seeds, sampler, microgroup_size, stream=True)
+        body = self._body(prompts, seeds, sampler, microgroup_size, stream=True, texts=texts)
         where = f"engine {self.url}/generate_trajectories"
         pending: asyncio.Queue[Awaitable[Microgroup] | BaseException | None] = asyncio.Queue()
 

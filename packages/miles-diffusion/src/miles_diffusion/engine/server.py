@@ -3,8 +3,10 @@
 Endpoints (JSON bodies; errors are HTTP 400 with ``{"success": false, "message": ...}``):
 
 - ``POST /generate_trajectories`` ``{prompts: [id], seeds: [int], num_steps, noise_level,
-  microgroup_size?, stream?}``: one stochastic (SDE) trajectory per prompt, trajectory ``i`` drawn
-  from ``seeds[i]`` alone. The prompts are encoded once per request; the trajectories are sampled
+  microgroup_size?, stream?, texts?}``: one stochastic (SDE) trajectory per prompt, trajectory ``i`` drawn
+  from ``seeds[i]`` alone. A text-prompted model (SD3) needs ``texts`` (trajectory ``i``'s prompt
+  text; one text per id within a request) and its answer carries the final latents decoded by the
+  model's VAE (``images``), since the client has no decoder; the tiny UNet takes bare ids. The prompts are encoded once per request; the trajectories are sampled
   in microgroups of ``microgroup_size`` (default: all at once), one after another, each reusing
   those encodings. The answer is a safetensors buffer (``miles_diffusion.wire``): every latent,
   every step's log-probability, the timesteps, and the weight version in its header. Raw bytes,
@@ -50,10 +52,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from miles.engines.client import HANDOFF_LOAD_FORMAT
 from miles.engines.embedded.lora import LoraError
+from miles_diffusion.denoiser import Conditioning, DiffusionModel
 from miles_diffusion.engine.merge import AdapterMerger
+from miles_diffusion.families import load_for_engine
 from miles_diffusion.lora import split_name
-from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, read_model_config
+from miles_diffusion.model import WEIGHTS_FILE, FlowModel, read_model_config
 from miles_diffusion.sampler import SamplerConfig, Trajectory, sample_seeded
+from miles_diffusion.sd3 import SD3FlowModel
 from miles_diffusion.wire import (
     MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
@@ -89,6 +94,9 @@ class GenerateBody(_Body):
         None, ge=1, description="trajectories sampled together (default: the whole request at once)"
     )
     stream: bool = Field(False, description="send each microgroup as a length-prefixed frame once sampled")
+    texts: list[str] | None = Field(
+        None, min_length=1, description="each trajectory's prompt text (text-prompted models: SD3)"
+    )
 
 
 class WeightVersionBody(_Body):
@@ -160,7 +168,8 @@ class DiffusionEngine:
     ) -> None:
         self.model_path = str(model_path)
         self.device = torch.device(device)
-        self.model: FlowModel = load_pretrained(model_path).to(self.device)
+        self.family, model = load_for_engine(model_path)
+        self.model: DiffusionModel = model.to(self.device)
         self.handoff_dir = Path(handoff_dir).resolve() if handoff_dir else None
         self.weight_version = weight_version
         self.max_batch_size = max_batch_size
@@ -180,14 +189,38 @@ class DiffusionEngine:
             raise EngineRefusal(
                 f"{n} trajectories in one request; this engine takes at most {self.max_batch_size}"
             )
-        k = self.model.config.num_prompts
-        bad = sorted({p for p in body.prompts if not 0 <= p < k})
-        if bad:
-            raise EngineRefusal(f"prompt ids {bad} are outside this model's 0..{k - 1}")
+        if self.family.text_prompts:
+            self._check_texts(body)
+        else:
+            if body.texts is not None:
+                raise EngineRefusal(
+                    f"this engine serves a {self.family.name} model, prompted by id only; leave texts out"
+                )
+            k = self.model.num_prompts
+            bad = sorted({p for p in body.prompts if not 0 <= p < k})
+            if bad:
+                raise EngineRefusal(f"prompt ids {bad} are outside this model's 0..{k - 1}")
         if not math.isfinite(body.noise_level):
             raise EngineRefusal(f"noise_level must be finite, got {body.noise_level}")
         if any(not 0 <= s < 2**63 for s in body.seeds):
             raise EngineRefusal("seeds must lie in [0, 2**63)")
+
+    def _check_texts(self, body: GenerateBody) -> None:
+        if body.texts is None:
+            raise EngineRefusal(
+                f"this engine serves a {self.family.name} model, prompted with text: give texts (each "
+                "trajectory's prompt text, one per prompt id)"
+            )
+        if len(body.texts) != len(body.prompts):
+            raise EngineRefusal(
+                f"{len(body.texts)} texts for {len(body.prompts)} prompts; give one text per prompt"
+            )
+        if any(p < 0 for p in body.prompts):
+            raise EngineRefusal("prompt ids must be >= 0")
+        text_of: dict[int, str] = {}
+        for pid, text in zip(body.prompts, body.texts, strict=True):
+            if text_of.setdefault(pid, text) != text:
+                raise EngineRefusal(f"prompt id {pid} comes with two texts in one request")
 
     def sample_microgroups(
         self,
@@ -210,7 +243,13 @@ class DiffusionEngine:
         with self.lock, torch.no_grad():
             version = self.weight_version
             distinct, inverse = torch.unique(prompts, return_inverse=True)
-            encoded = self.model.encode_prompts(distinct)[inverse]
+            encoded: Conditioning
+            if body.texts is not None:  # a text-prompted model: the request's texts, by id
+                text_of = dict(zip(body.prompts, body.texts, strict=True))
+                assert isinstance(self.model, SD3FlowModel)
+                encoded = self.model.encode_texts([text_of[int(i)] for i in distinct.tolist()])[inverse]
+            else:
+                encoded = self.model.encode_prompts(distinct)[inverse]
             for index, offset in enumerate(range(0, n, size)):
                 if cancelled is not None and cancelled.is_set():
                     return  # the client went away: the rest would be sampled for nobody
@@ -219,11 +258,16 @@ class DiffusionEngine:
                 trajectory = sample_seeded(
                     self.model, prompts[rows], seeds[rows], sampler, encoded=encoded[rows]
                 )
+                # Latents that are not pixels are decoded here, by the model's own decoder (a VAE):
+                # the rewards score images and the client has none. Timed as sampling.
+                images = (
+                    None if self.model.latents_are_pixels else self.model.to_images(trajectory.latents[:, -1])
+                )
                 finished = time.monotonic_ns()
                 emit(
                     index,
                     offset,
-                    TrajectoryBatch(trajectory, seeds[rows], sampler, version),
+                    TrajectoryBatch(trajectory, seeds[rows], sampler, version, images),
                     started,
                     finished,
                 )
@@ -239,7 +283,12 @@ class DiffusionEngine:
             log_probs=torch.cat([p.trajectory.log_probs for p in parts]),
             prompts=torch.cat([p.trajectory.prompts for p in parts]),
         )
-        return pack(TrajectoryBatch(trajectory, list(body.seeds), first.sampler, first.weight_version))
+        images = (
+            None if first.images is None else torch.cat([p.images for p in parts if p.images is not None])
+        )
+        return pack(
+            TrajectoryBatch(trajectory, list(body.seeds), first.sampler, first.weight_version, images)
+        )
 
     def generate_frames(
         self, body: GenerateBody, send: Callable[[bytes], None], cancelled: threading.Event
@@ -367,6 +416,8 @@ class DiffusionEngine:
             raise EngineRefusal(
                 f"load_format {body.load_format!r} is not supported; use 'auto' or 'safetensors'"
             )
+        if not isinstance(self.model, FlowModel):
+            return self._update_pipeline_from_disk(body)
         try:
             config = read_model_config(body.model_path)
         except ValueError as exc:
@@ -382,6 +433,24 @@ class DiffusionEngine:
             raise EngineRefusal(
                 f"{body.model_path}: {WEIGHTS_FILE} holds LoRA factors; load an adapter with /load_lora_adapter"
             )
+        self._commit(self._checked(tensors, body.model_path), version)
+        return {"success": True, "message": f"loaded {body.model_path} as weight version {version}"}
+
+    def _update_pipeline_from_disk(self, body: UpdateFromDiskBody) -> dict[str, Any]:
+        """A pipeline directory (the trainer's export of an SD3 model): its transformer's weights."""
+        from miles_diffusion.families import family_for
+        from miles_diffusion.sd3 import read_transformer_state
+
+        try:
+            family = family_for(body.model_path)
+            if family.name != self.family.name:
+                raise ValueError(
+                    f"{body.model_path} holds a {family.name} model; this engine serves {self.family.name}"
+                )
+            tensors = read_transformer_state(body.model_path)
+        except ValueError as exc:
+            raise EngineRefusal(str(exc)) from None
+        version = self.weight_version if body.weight_version is None else _version(body.weight_version)
         self._commit(self._checked(tensors, body.model_path), version)
         return {"success": True, "message": f"loaded {body.model_path} as weight version {version}"}
 
@@ -414,10 +483,15 @@ class DiffusionEngine:
     def model_info(self) -> dict[str, Any]:
         from dataclasses import asdict
 
+        config = (
+            asdict(self.model.config)
+            if isinstance(self.model, FlowModel)
+            else {"family": self.family.name, "latent_shape": list(self.model.latent_shape)}
+        )
         return {
             "model_path": self.model_path,
             "kind": "diffusion",
-            "config": asdict(self.model.config),
+            "config": config,
             "weight_version": str(self.weight_version),
         }
 
