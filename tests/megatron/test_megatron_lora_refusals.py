@@ -11,7 +11,7 @@ from miles.config.schema import LoraSection
 from miles.errors import ConfigError
 from miles_megatron.config import MegatronOptions
 from miles_megatron.hf_config import HFModel
-from miles_megatron.lora import option_problems, plan
+from miles_megatron.lora import adapter_of, option_problems, plan, plans
 
 RAW = dict(SHAPE, model_type="qwen3", rope_theta=10000.0)
 QWEN3 = HFModel.from_dict(RAW)
@@ -88,7 +88,7 @@ def test_targets_megatron_does_not_adapt_are_refused(targets, message):
         plan(QWEN3, LoraSection(target_modules=targets))
 
 
-def test_moe_models_and_several_adapters_are_refused_by_the_plan():
+def test_moe_models_are_refused_and_several_adapters_planned_each():
     moe = HFModel.from_dict(
         {
             **RAW,
@@ -100,8 +100,24 @@ def test_moe_models_and_several_adapters_are_refused_by_the_plan():
     )
     with pytest.raises(ConfigError, match="adapts dense models only"):
         plan(moe, LoraSection())
-    with pytest.raises(ConfigError, match="the megatron backend trains one adapter"):
-        plan(QWEN3, LoraSection(adapters={"math": {"rank": 4}}))  # type: ignore[dict-item]
+    # Multi-LoRA: a plan per adapter, its factors keyed <adapter>-<part> inside the shared linears.
+    section = LoraSection(
+        adapters={"math": {"rank": 4, "target_modules": ["q_proj"]}, "co-de": {"rank": 2}}  # type: ignore[dict-item]
+    )
+    math, code = plans(QWEN3, section)
+    assert (math.name, math.multi, math.key("q_proj"), math.slots) == (
+        "math",
+        True,
+        "math-q_proj",
+        {"self_attention.linear_qkv": ("q_proj",)},
+    )
+    assert (
+        code.shape.rank == 2 and adapter_of("decoder.layers.0.mlp.linear_fc1.lora_B.co-de-up_proj") == "co-de"
+    )
+    assert adapter_of("decoder.layers.0.mlp.linear_fc1.lora_B.up_proj") is None
+    bad = LoraSection(adapters={"math": {"target_modules": ["qkv"]}})  # type: ignore[dict-item]
+    with pytest.raises(ConfigError, match=r"lora.adapters.math.target_modules \['qkv'\] match no linear"):
+        plans(QWEN3, bad)
 
 
 def test_option_problems_are_one_sentence_each():

@@ -127,6 +127,8 @@ class MegatronBackend:
         self.options: MegatronOptions | None = None
         self._offloaded = False
         self.lora_plan: lora_mod.LoraPlan | None = None
+        # Multi-LoRA (lora.adapters): every adapter's plan, in the recipe's order (empty: the single form or none).
+        self.adapter_plans: tuple[lora_mod.LoraPlan, ...] = ()
 
     def setup(self, spec: BackendSpec) -> None:
         if self.trainer is not None:
@@ -182,10 +184,17 @@ class MegatronBackend:
             replay_problem = routing_replay_problem(spec.model_path, options)
             if replay_problem is not None and replay_problem not in problems:
                 problems.append(f"train.use_rollout_routing_replay: {replay_problem}")
+        if lora_section is not None and lora_section.multi and spec.critic is not None:
+            problems.append(
+                "lora.adapters (multi-LoRA) with a critic (PPO's value model) is not built on the megatron "
+                "backend; use an objective without values"
+            )
         if problems:
             raise ConfigError("backend 'megatron': " + "; ".join(problems))
         # LoRA: the recipe's targets against the model and the transport, refused in one sentence each.
-        self.lora_plan = None if lora_section is None else lora_mod.plan(hf, lora_section)
+        plans = () if lora_section is None else lora_mod.plans(hf, lora_section)
+        self.lora_plan = plans[0] if plans else None
+        self.adapter_plans = plans if lora_section is not None and lora_section.multi else ()
         if self.lora_plan is not None and spec.engine_urls:
             from miles.plugins import make_component
 
@@ -231,6 +240,8 @@ class MegatronBackend:
         trainer = self._use("train_step")
         assert self.train_opts is not None
         check_batch(batch, replay=self.train_opts.use_rollout_routing_replay)
+        if self.adapter_plans:
+            return self._train_adapters(trainer, batch)
         parts = mini_batches(len(batch.samples), self.train_opts.steps_per_rollout)
         t0 = time.perf_counter()
         extra: dict[str, list[list[float]]] = {}
@@ -250,16 +261,64 @@ class MegatronBackend:
         out["train/tokens_per_s"] = out.get("train/num_tokens", 0.0) / max(time.perf_counter() - t0, 1e-9)
         return out
 
+    def _train_adapters(self, trainer: Any, batch: TrainBatch) -> dict[str, float]:
+        """Multi-LoRA: each adapter's rows of the batch are one optimizer step of that adapter alone (only it
+        active, its loss normalised over its own tokens and samples, its own clipping, optimizer and rate)."""
+        t0 = time.perf_counter()
+        rows = batch_rows(batch, {})
+        out: dict[str, float] = {}
+        stepped = []
+        for name, indices in adapter_rows(batch.samples, [p.name for p in self.adapter_plans]).items():
+            part = [rows[i] for i in indices]
+            tokens = int(sum(sum(r.loss_mask) for r in part))
+            if tokens == 0:
+                log.warning(
+                    "megatron: step %d: adapter %r has no loss token; it takes no step", batch.step, name
+                )
+                continue
+            metrics = trainer.train_step(self._plan(part), tokens, len(part), name)
+            stepped.append(name)
+            out |= {f"lora/{name}/{k}": v for k, v in metrics.items()}
+        for plan in self.adapter_plans:
+            out[f"lora/{plan.name}/stepped"] = float(plan.name in stepped)
+        out["train/optimizer_steps"] = float(len(stepped))
+        for key in ("train/loss", "train/num_loss_tokens", "train/num_tokens"):
+            out[key] = sum(out.get(f"lora/{name}/{key}", 0.0) for name in stepped)
+        out["train/tokens_per_s"] = out["train/num_tokens"] / max(time.perf_counter() - t0, 1e-9)
+        return out
+
+    def unsent_adapters(self) -> list[str]:
+        """Multi-LoRA: the adapters the next weight update sends (trained since the last)."""
+        return list(self._use("unsent_adapters").unsent_adapters())
+
     def score(self, samples: list[Sample], names: list[str]) -> dict[str, list[list[float]]]:
         trainer = self._use("score")
         if not names or not samples:
             return {name: [] for name in names}
+        if self.adapter_plans:  # multi-LoRA: each adapter scores its own rows
+            out: dict[str, list[list[float]]] = {name: [[] for _ in samples] for name in names}
+            for adapter, indices in adapter_rows(samples, [p.name for p in self.adapter_plans]).items():
+                part = self._score(trainer, [samples[i] for i in indices], names, adapter)
+                for name in names:
+                    for i, row in zip(indices, part[name], strict=True):
+                        out[name][i] = row
+            return out
+        return self._score(trainer, samples, names, None)
+
+    def _score(
+        self, trainer: Any, samples: list[Sample], names: list[str], adapter: str | None
+    ) -> dict[str, list[list[float]]]:
         rows = [sample_row(s) for s in samples]
         assert self.train_opts is not None and self.options is not None
         plan = plan_micro_batches(
             [r.num_tokens for r in rows], self.train_opts.micro_batch_size, self.options.micro_batch_tokens
         )
-        results = trainer.score([[rows[i] for i in mb] for mb in plan], list(names))
+        groups = [[rows[i] for i in mb] for mb in plan]
+        results = (
+            trainer.score(groups, list(names))
+            if adapter is None
+            else trainer.score(groups, list(names), adapter)
+        )
         out: dict[str, list[list[float]]] = {name: [[] for _ in samples] for name in names}
         for mb, mb_rows in zip(plan, results, strict=True):
             for index, row in zip(mb, mb_rows, strict=True):
@@ -286,7 +345,9 @@ class MegatronBackend:
         with open(os.path.join(directory, CHECKPOINT_MARKER)) as f:
             saved_lora = json.load(f).get("lora")
         # A LoRA checkpoint resumes only as the same adapter on the same base (checked before any rank reads it).
-        lora_mod.check_checkpoint(saved_lora, self.lora_plan, self.spec.model_path, directory)
+        lora_mod.check_checkpoint(
+            saved_lora, self.adapter_plans or self.lora_plan, self.spec.model_path, directory
+        )
         trainer.load_checkpoint(directory)
 
     def export_hf(self, directory: str) -> None:
@@ -321,6 +382,24 @@ class MegatronBackend:
 
 
 _SUMMED = ("train/num_loss_tokens", "train/num_tokens")
+
+
+def adapter_rows(samples: list[Sample], adapters: list[str]) -> dict[str, list[int]]:
+    """Multi-LoRA: the batch's sample indices of each adapter (``Sample.metadata[ADAPTER_KEY]``), in
+    ``adapters`` order, only adapters with rows; a sample naming no adapter of the run is refused."""
+    from miles.config.schema import ADAPTER_KEY
+    from miles.errors import ComponentError
+
+    rows: dict[str, list[int]] = {name: [] for name in adapters}
+    for i, sample in enumerate(samples):
+        name = sample.metadata.get(ADAPTER_KEY)
+        if name not in rows:
+            raise ComponentError(
+                f"sample {i} (prompt {sample.prompt.index}) names LoRA adapter {name!r} "
+                f"(metadata[{ADAPTER_KEY!r}]); this run trains {adapters}"
+            )
+        rows[name].append(i)
+    return {name: indices for name, indices in rows.items() if indices}
 
 
 def _combine(results: list[tuple[dict[str, float], int]]) -> dict[str, float]:

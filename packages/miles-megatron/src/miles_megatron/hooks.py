@@ -45,7 +45,7 @@ def miles_configure(config: Any) -> None:
     plan_layout(options)
     problems = launch_problems(options) + options.storage_problems()
     lora = getattr(config, "lora", None)
-    if lora is not None and not lora.multi:  # multi-LoRA: the core refuses it (no trains_adapters here)
+    if lora is not None:
         from miles_megatron.lora import option_problems
 
         problems += option_problems(options, lora, options.layer_spec)

@@ -76,10 +76,31 @@ class LinearLora:
     rank: int
     alpha: float
     dropout: float
+    adapter: str | None = None  # multi-LoRA: the adapter's name (None: the single form)
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    def key(self, part: str) -> str:
+        """The part's key in the linear's ``lora_A`` / ``lora_B`` (:func:`factor_key`)."""
+        return factor_key(self.adapter, part)
+
+
+def factor_key(adapter: str | None, part: str) -> str:
+    """A factor's key inside a linear's ``lora_A`` / ``lora_B``: the HF part (single form), or
+    ``<adapter>-<part>`` (multi-LoRA: every adapter's factors side by side in one linear)."""
+    return part if adapter is None else f"{adapter}-{part}"
+
+
+def adapter_of(param: str) -> str | None:
+    """The multi-LoRA adapter a parameter ``...lora_{A,B}.<adapter>-<part>`` belongs to (None: not one).
+
+    Adapter names may hold ``-``; the HF parts never do, so the last ``-`` splits them."""
+    head, sep, key = param.rpartition(".")
+    if not sep or not (head.endswith(".lora_A") or head.endswith(".lora_B")) or "-" not in key:
+        return None
+    return key.rsplit("-", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -89,6 +110,10 @@ class LoraPlan:
     name: str
     shape: LoraShape
     slots: dict[str, tuple[str, ...]]
+    multi: bool = False  # one of several adapters (lora.adapters): its factors are keyed by its name
+
+    def key(self, part: str) -> str:
+        return factor_key(self.name if self.multi else None, part)
 
     @property
     def targets(self) -> list[str]:
@@ -118,6 +143,7 @@ class LoraPlan:
             rank=self.shape.rank,
             alpha=self.shape.alpha,
             dropout=self.shape.dropout,
+            adapter=self.name if self.multi else None,
         )
 
 
@@ -136,10 +162,18 @@ def option_problems(options: MegatronOptions, lora: LoraSection, layer_spec: str
             "megatron.optimizer_streaming is not built for lora (an adapter's optimizer state is small); "
             "set it to false"
         )
-    if lora.dropout > 0 and options.tensor_parallel > 1:
+    for name, shape in lora.named().items():
+        field = f"lora.adapters.{name}.dropout" if lora.multi else "lora.dropout"
+        if shape.dropout > 0 and options.tensor_parallel > 1:
+            out.append(
+                f"{field} {shape.dropout} with megatron.tensor_parallel {options.tensor_parallel}: the TP ranks "
+                f"would drop different inputs of one adapter; allowed: {field} 0 with TP > 1"
+            )
+    if lora.multi and options.device != "cpu":
         out.append(
-            f"lora.dropout {lora.dropout} with megatron.tensor_parallel {options.tensor_parallel}: the TP ranks "
-            "would drop different inputs of one adapter; allowed: lora.dropout 0 with TP > 1"
+            "lora.adapters (multi-LoRA) on the megatron backend runs on megatron.device cpu only so far (one "
+            "optimizer per adapter is built on torch's AdamW, not megatron's CUDA optimizer); set "
+            "megatron.device: cpu or use backend fsdp"
         )
     return out
 
@@ -160,13 +194,28 @@ def hf_linear_modules(model: HFModel) -> list[str]:
     return [*out, "lm_head"]
 
 
-def plan(model: HFModel, lora: LoraSection, field: str = "lora.target_modules") -> LoraPlan:
-    """The adapter ``lora`` puts on ``model``; what megatron does not adapt is refused in one sentence."""
-    if lora.multi:
-        raise ConfigError(
-            "lora.adapters (multi-LoRA): the megatron backend trains one adapter; use the single lora form "
-            "or backend fsdp"
-        )
+def plans(model: HFModel, lora: LoraSection) -> tuple[LoraPlan, ...]:
+    """Every adapter ``lora`` puts on ``model``, in the recipe's order (the single form: one)."""
+    if not lora.multi:
+        return (plan(model, lora),)
+    return tuple(
+        plan(model, shape, f"lora.adapters.{name}.target_modules", name=name, multi=True)
+        for name, shape in lora.named().items()
+    )
+
+
+def plan(
+    model: HFModel,
+    lora: LoraShape,
+    field: str = "lora.target_modules",
+    *,
+    name: str | None = None,
+    multi: bool = False,
+) -> LoraPlan:
+    """The adapter ``lora`` (the single form, or one adapter's shape with its ``name``) puts on ``model``;
+    what megatron does not adapt is refused in one sentence."""
+    if isinstance(lora, LoraSection) and lora.multi:
+        raise ConfigError("lora.adapters (multi-LoRA): plan each adapter (miles_megatron.lora.plans)")
     if model.is_moe:
         raise ConfigError(
             "lora on the megatron backend adapts dense models only (a MoE model's experts and router are "
@@ -201,7 +250,8 @@ def plan(model: HFModel, lora: LoraSection, field: str = "lora.target_modules") 
                 parts.append(p)
         if parts:
             slots[s.megatron] = tuple(parts)
-    return LoraPlan(name=lora.name, shape=lora, slots=slots)
+    adapter = name if name is not None else str(getattr(lora, "name", "default"))
+    return LoraPlan(name=adapter, shape=lora, slots=slots, multi=multi)
 
 
 # ------------------------------------------------------------------ names
@@ -218,7 +268,7 @@ def megatron_names(model: HFModel, lora_plan: LoraPlan) -> Iterator[tuple[str, s
             for part in lora_plan.slots.get(s.megatron, ()):
                 for factor in ("A", "B"):
                     yield (
-                        f"decoder.layers.{i}.{s.megatron}.lora_{factor}.{part}",
+                        f"decoder.layers.{i}.{s.megatron}.lora_{factor}.{lora_plan.key(part)}",
                         f"model.layers.{i}.{s.hf_parent}.{part}",
                         factor,
                         s.parallel,
@@ -291,10 +341,25 @@ def record(lora_plan: LoraPlan, model_path: str) -> dict[str, Any]:
     }
 
 
+def record_multi(lora_plans: tuple[LoraPlan, ...], model_path: str, steps: dict[str, int]) -> dict[str, Any]:
+    """Multi-LoRA: each adapter's shape and optimizer steps, and the base."""
+    return {
+        "adapters": {
+            p.name: {"rank": p.shape.rank, "alpha": p.shape.alpha, "targets": p.targets} for p in lora_plans
+        },
+        "steps": dict(steps),
+        "base": base_reference(model_path),
+    }
+
+
 def check_checkpoint(
-    saved: dict[str, Any] | None, lora_plan: LoraPlan | None, model_path: str, directory: str
+    saved: dict[str, Any] | None,
+    lora_plan: LoraPlan | tuple[LoraPlan, ...] | None,
+    model_path: str,
+    directory: str,
 ) -> None:
-    """Refuse resuming a full checkpoint as LoRA or the reverse, another adapter shape, or another base."""
+    """Refuse resuming a full checkpoint as LoRA or the reverse, another adapter shape (or set of adapters),
+    or another base."""
     if lora_plan is None:
         if saved is not None:
             raise ModelError(
@@ -306,6 +371,21 @@ def check_checkpoint(
             f"checkpoint {directory} holds no LoRA adapter (it was written by a full-parameter run); "
             "resume it without a lora section"
         )
+    if isinstance(lora_plan, tuple) or "adapters" in saved:
+        have_multi = saved.get("adapters") or {}
+        want_multi = (
+            {p.name: {"rank": p.shape.rank, "targets": p.targets} for p in lora_plan}
+            if isinstance(lora_plan, tuple)
+            else {}
+        )
+        have_shapes = {n: {"rank": a.get("rank"), "targets": a.get("targets")} for n, a in have_multi.items()}
+        if have_shapes != want_multi:
+            raise ModelError(
+                f"checkpoint {directory} holds LoRA adapters {have_shapes or saved.get('name')}, but this run "
+                f"trains {want_multi or lora_plan}; resume with the same lora adapters"
+            )
+        check_same_base(saved.get("base") or {}, model_path, directory)
+        return
     have = (saved.get("rank"), saved.get("targets"))
     want = (lora_plan.shape.rank, lora_plan.targets)
     if have != want:
@@ -319,14 +399,15 @@ def check_checkpoint(
 # ------------------------------------------------------------------ the trainer's adapter
 
 
-def adapter_tensors(trainer: Any) -> Iterator[tuple[str, str, Any]]:
-    """``(HF module, factor, full tensor)`` of every factor of a ``MegatronTrainer``'s adapter.
+def adapter_tensors(trainer: Any, lora_plan: LoraPlan | None = None) -> Iterator[tuple[str, str, Any]]:
+    """``(HF module, factor, full tensor)`` of every factor of a ``MegatronTrainer``'s adapter
+    (``lora_plan``: that one of a multi-LoRA trainer's; default: its only one).
 
     TP shards are joined through the trainer's TP gather: a collective, every rank drains it in order."""
     import torch
 
     params = dict(trainer.gpt.named_parameters())
-    for name, module, factor, parallel in megatron_names(trainer.hf, trainer.lora):
+    for name, module, factor, parallel in megatron_names(trainer.hf, lora_plan or trainer.lora):
         tensor = params[name].detach()
         dim = tp_dim(factor, parallel)
         if dim is not None and trainer.layout.tp > 1:
@@ -334,33 +415,42 @@ def adapter_tensors(trainer: Any) -> Iterator[tuple[str, str, Any]]:
         yield module, factor, tensor
 
 
-def engine_stream(trainer: Any) -> Iterator[tuple[str, Any]]:
-    """The weight update of a LoRA run: only the adapter, under the names the engines hold it by."""
-    adapter = trainer.lora.name
-    for module, factor, tensor in adapter_tensors(trainer):
-        yield engine_name(module, factor, adapter), tensor
+def engine_stream(trainer: Any, lora_plans: tuple[LoraPlan, ...] | None = None) -> Iterator[tuple[str, Any]]:
+    """The weight update of a LoRA run: only the adapters (``lora_plans``; default: the run's one), under
+    the names the engines hold them by."""
+    for lora_plan in lora_plans if lora_plans is not None else (trainer.lora,):
+        for module, factor, tensor in adapter_tensors(trainer, lora_plan):
+            yield engine_name(module, factor, lora_plan.name), tensor
 
 
-def save_adapter(trainer: Any, directory: str) -> None:
-    """The trainer's adapter as a peft directory (a collective; rank 0 writes)."""
+def save_adapter(trainer: Any, directory: str, lora_plan: LoraPlan | None = None) -> None:
+    """The trainer's adapter (``lora_plan``; default: its only one) as a peft directory (a collective;
+    rank 0 writes)."""
     import torch
 
+    lora_plan = lora_plan or trainer.lora
     with torch.no_grad():
         tensors = {
             peft_name(module, factor): t.to("cpu").clone().contiguous()
-            for module, factor, t in adapter_tensors(trainer)
+            for module, factor, t in adapter_tensors(trainer, lora_plan)
         }
     if trainer.rank == 0:
-        write_peft_dir(directory, trainer.lora, trainer.spec.model_path, tensors)
+        write_peft_dir(directory, lora_plan, trainer.spec.model_path, tensors)
 
 
 def export_adapter(trainer: Any, directory: str, tokenizer_files: tuple[str, ...]) -> None:
-    """A LoRA run's export: the peft adapter directory and the base's tokenizer files (a collective)."""
+    """A LoRA run's export: the peft adapter directory and the base's tokenizer files (a collective).
+
+    Multi-LoRA: one peft directory per adapter, ``<directory>/<name>/``, the tokenizer files in ``directory``."""
     import shutil
 
     import torch.distributed as dist
 
-    save_adapter(trainer, directory)
+    if trainer.multi:
+        for lora_plan in trainer.loras:
+            save_adapter(trainer, os.path.join(directory, lora_plan.name), lora_plan)
+    else:
+        save_adapter(trainer, directory)
     if trainer.rank == 0:
         for name in tokenizer_files:
             src = os.path.join(trainer.spec.model_path, name)
@@ -370,7 +460,8 @@ def export_adapter(trainer: Any, directory: str, tokenizer_files: tuple[str, ...
 
 
 def serve_adapter(trainer: Any, transport: Any) -> None:
-    """Point the transport at the adapter and load its initial state on every engine by name.
+    """Point the transport at the adapter and load its initial state on every engine by name (multi-LoRA:
+    every adapter's, each under its own name).
 
     The adapter's shape (rank, alpha, targets) reaches the engines once, as a peft directory through
     ``/load_lora_adapter``; every later update carries only its tensors."""
@@ -381,15 +472,16 @@ def serve_adapter(trainer: Any, transport: Any) -> None:
     carry = getattr(transport, "carry_adapter", None)
     if not callable(carry) or not getattr(transport, "carries_adapters", False):
         raise ComponentError(transport_refusal(trainer.spec.transport))
-    carry(trainer.lora.name)
-    directory = os.path.join(run_dir(trainer.spec.config), "lora", f"{trainer.lora.name}-initial")
-    save_adapter(trainer, directory)
-    if trainer.rank == 0:
-        from miles.engines.client import SyncEngineClient
+    carry(trainer.lora.name)  # multi-LoRA refuses the weight check, which this scopes
+    for lora_plan in trainer.loras:
+        directory = os.path.join(run_dir(trainer.spec.config), "lora", f"{lora_plan.name}-initial")
+        save_adapter(trainer, directory, lora_plan)
+        if trainer.rank == 0:
+            from miles.engines.client import SyncEngineClient
 
-        for url in trainer.spec.engine_urls:
-            with SyncEngineClient(url) as client:
-                client.load_lora_adapter(trainer.lora.name, directory)
+            for url in trainer.spec.engine_urls:
+                with SyncEngineClient(url) as client:
+                    client.load_lora_adapter(lora_plan.name, directory)
     dist.barrier()
 
 

@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel.mappings import (  # type: ignore[import-unty
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # type: ignore[import-untyped]
 from torch import nn
 
-from miles_megatron.lora import LinearLora
+from miles_megatron.lora import LinearLora, adapter_of
 
 
 def _group_size_rank(group: Any) -> tuple[int, int]:
@@ -60,32 +60,54 @@ def _factor(shape: tuple[int, int], config: Any) -> nn.Parameter:
 
 
 class _LoraMixin:
-    """The adapter state and arithmetic shared by both linears."""
+    """The adapter state and arithmetic shared by both linears.
+
+    ``loras``: the adapters of this linear (the single form: one, keyed by part; multi-LoRA: each adapter
+    that targets it, keyed ``<adapter>-<part>``). Under multi-LoRA only the ``active`` adapter adds its
+    delta (:func:`activate`; None: none, the base)."""
 
     lora: LinearLora
+    loras: tuple[LinearLora, ...]
+    active: str | None
     lora_A: nn.ParameterDict
     lora_B: nn.ParameterDict
     tp_size: int
     tp_rank: int
 
-    def _add_factors(
-        self, a_shape: tuple[int, int], b_shapes: list[tuple[int, int]], split: str, config: Any
-    ) -> None:
+    def _set_loras(self, lora: LinearLora | tuple[LinearLora, ...]) -> None:
+        self.loras = lora if isinstance(lora, tuple) else (lora,)
+        self.lora = self.loras[0]
+        self.active = None
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
-        for part, b_shape in zip(self.lora.targeted, b_shapes, strict=True):
+
+    def _current(self) -> LinearLora | None:
+        """The adapter the forward applies: the only one (single form), else the active one, if it adapts this linear."""
+        if self.lora.adapter is None:
+            return self.lora
+        return next((x for x in self.loras if x.adapter == self.active), None)
+
+    def _add_factors(
+        self,
+        lora: LinearLora,
+        a_shape: tuple[int, int],
+        b_shapes: list[tuple[int, int]],
+        split: str,
+        config: Any,
+    ) -> None:
+        for part, b_shape in zip(lora.targeted, b_shapes, strict=True):
             a, b = _factor(a_shape, config), _factor(b_shape, config)
             sharded, dim = (b, 0) if split == "B" else (a, 1)
             if self.tp_size > 1:
                 set_tensor_model_parallel_attributes(sharded, True, dim, 1)
             for p in (a, b):
                 p.allreduce = True  # type: ignore[attr-defined]  # megatron's DDP reads it (not an expert)
-            self.lora_A[part] = a
-            self.lora_B[part] = b
+            self.lora_A[lora.key(part)] = a
+            self.lora_B[lora.key(part)] = b
 
-    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+    def _dropped(self, x: torch.Tensor, lora: LinearLora) -> torch.Tensor:
         training = bool(getattr(self, "training", False))
-        return F.dropout(x, self.lora.dropout, training) if self.lora.dropout > 0 else x
+        return F.dropout(x, lora.dropout, training) if lora.dropout > 0 else x
 
     def init_adapters(self, name: str, seed: int) -> None:
         """``A`` as torch's (and peft's) default linear init, ``B`` zero: the adapter starts as a no-op.
@@ -93,50 +115,54 @@ class _LoraMixin:
         Each full ``A`` is drawn from a generator seeded by ``seed`` and its parameter ``name``, and cut
         to this rank's shard, so every layout starts from the same adapter."""
         with torch.no_grad():
-            for part, a in self.lora_A.items():
+            for key, a in self.lora_A.items():
                 full_in = a.shape[1] * (self.tp_size if getattr(a, "tensor_model_parallel", False) else 1)
                 g = torch.Generator().manual_seed(
-                    seed * 1_000_003 + zlib.crc32(f"{name}.lora_A.{part}".encode())
+                    seed * 1_000_003 + zlib.crc32(f"{name}.lora_A.{key}".encode())
                 )
                 bound = 1.0 / math.sqrt(full_in)
                 full = torch.empty(a.shape[0], full_in).uniform_(-bound, bound, generator=g)
                 if full_in != a.shape[1]:
                     full = full.chunk(self.tp_size, dim=1)[self.tp_rank]
                 a.copy_(full)
-                self.lora_B[part].zero_()
+                self.lora_B[key].zero_()
 
     def _lora_axes(self, base: dict[str, int]) -> dict[str, int]:
         axes = dict(base)
-        for part in self.lora.targeted:
+        for key in self.lora_A:
             for factor, params in (("A", self.lora_A), ("B", self.lora_B)):
-                if getattr(params[part], "tensor_model_parallel", False):
-                    axes[f"lora_{factor}.{part}"] = int(params[part].partition_dim)
+                if getattr(params[key], "tensor_model_parallel", False):
+                    axes[f"lora_{factor}.{key}"] = int(params[key].partition_dim)
         return axes
 
 
 class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
     """``ColumnParallelLinear`` (``linear_qkv``, ``linear_fc1``) with one adapter per targeted fused part."""
 
-    def __init__(self, input_size: int, output_size: int, *, lora: LinearLora, **kwargs: Any) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, *, lora: LinearLora | tuple[LinearLora, ...], **kwargs: Any
+    ) -> None:
         super().__init__(input_size, output_size, **kwargs)
         if self.gather_output:
             raise ValueError(
                 "LoraColumnParallelLinear adapts a linear whose output stays split (gather_output=False)"
             )
-        self.lora = lora
+        self._set_loras(lora)
         self.tp_size, self.tp_rank = _group_size_rank(self.tp_group)
-        if sum(lora.rows) != output_size:
-            raise ValueError(
-                f"LoRA parts {lora.parts} have {sum(lora.rows)} rows; the linear has {output_size}"
+        for one in self.loras:
+            if sum(one.rows) != output_size:
+                raise ValueError(
+                    f"LoRA parts {one.parts} have {sum(one.rows)} rows; the linear has {output_size}"
+                )
+            rows = dict(zip(one.parts, one.rows, strict=True))
+            self._add_factors(
+                one,
+                (one.rank, input_size),
+                [(rows[p] // self.tp_size, one.rank) for p in one.targeted],
+                "B",
+                kwargs["config"],
             )
-        rows = dict(zip(lora.parts, lora.rows, strict=True))
-        self._add_factors(
-            (lora.rank, input_size),
-            [(rows[p] // self.tp_size, lora.rank) for p in lora.targeted],
-            "B",
-            kwargs["config"],
-        )
-        self.lora_groups = max(lora.groups // self.tp_size, 1)
+        self.lora_groups = max(self.lora.groups // self.tp_size, 1)
 
     def forward(
         self,
@@ -145,24 +171,27 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         output, bias = super().forward(input_, weight, runtime_gather_output)
-        lora, r = self.lora, self.lora.rank
+        lora = self._current()
+        if lora is None:  # multi-LoRA: the active adapter (if any) does not adapt this linear
+            return output, bias
+        r, key = lora.rank, lora.key
         a = (
-            torch.cat([self.lora_A[p] for p in lora.targeted])
+            torch.cat([self.lora_A[key(p)] for p in lora.targeted])
             if len(lora.targeted) > 1
-            else self.lora_A[lora.targeted[0]]
+            else self.lora_A[key(lora.targeted[0])]
         )
-        h = F.linear(self._dropped(input_), a)
+        h = F.linear(self._dropped(input_, lora), a)
         h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
         lead = h.shape[:-1]
         hs = dict(zip(lora.targeted, h.split(r, dim=-1), strict=True))
         if len(lora.parts) == 1:
-            delta = F.linear(hs[lora.parts[0]], self.lora_B[lora.parts[0]])
+            delta = F.linear(hs[lora.parts[0]], self.lora_B[key(lora.parts[0])])
         else:
             blocks = []
             for part, rows in zip(lora.parts, lora.rows, strict=True):
                 local = rows // self.tp_size
                 # An untargeted part of the fused output gets no delta.
-                d = F.linear(hs[part], self.lora_B[part]) if part in hs else h.new_zeros(*lead, local)
+                d = F.linear(hs[part], self.lora_B[key(part)]) if part in hs else h.new_zeros(*lead, local)
                 blocks.append(d.reshape(*lead, self.lora_groups, local // self.lora_groups))
             delta = torch.cat(blocks, dim=-1).reshape(*lead, -1)
         return output + delta * lora.scale, bias
@@ -184,22 +213,28 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
 class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
     """``RowParallelLinear`` (``linear_proj``, ``linear_fc2``) with an adapter: ``A`` split over the inputs."""
 
-    def __init__(self, input_size: int, output_size: int, *, lora: LinearLora, **kwargs: Any) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, *, lora: LinearLora | tuple[LinearLora, ...], **kwargs: Any
+    ) -> None:
         super().__init__(input_size, output_size, **kwargs)
         if not self.input_is_parallel:
             raise ValueError("LoraRowParallelLinear adapts a linear whose input is already split")
-        self.lora = lora
+        self._set_loras(lora)
         self.tp_size, self.tp_rank = _group_size_rank(self.tp_group)
-        self._add_factors(
-            (lora.rank, input_size // self.tp_size), [(output_size, lora.rank)], "A", kwargs["config"]
-        )
+        for one in self.loras:
+            self._add_factors(
+                one, (one.rank, input_size // self.tp_size), [(output_size, one.rank)], "A", kwargs["config"]
+            )
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         output, bias = super().forward(input_)
-        part = self.lora.targeted[0]
-        h = F.linear(self._dropped(input_), self.lora_A[part])
+        lora = self._current()
+        if lora is None:  # multi-LoRA: the active adapter (if any) does not adapt this linear
+            return output, bias
+        key = lora.key(lora.targeted[0])
+        h = F.linear(self._dropped(input_, lora), self.lora_A[key])
         h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        return output + F.linear(h, self.lora_B[part]) * self.lora.scale, bias
+        return output + F.linear(h, self.lora_B[key]) * lora.scale, bias
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple[Any, ...] = (), metadata: Any = None
@@ -231,5 +266,17 @@ def freeze_base(model: nn.Module) -> None:
         p.requires_grad_(".lora_" in name)
 
 
-def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+def adapter_parameters(model: nn.Module, adapter: str | None = None) -> list[tuple[str, nn.Parameter]]:
+    """The adapters' parameters (``adapter``: only that one's, of a multi-LoRA model)."""
+    return [
+        (n, p)
+        for n, p in model.named_parameters()
+        if ".lora_" in n and (adapter is None or adapter_of(n) == adapter)
+    ]
+
+
+def activate(model: nn.Module, adapter: str | None) -> None:
+    """Multi-LoRA: the adapter the next forward passes apply (None: none, the base); trainability unchanged."""
+    for module in model.modules():
+        if isinstance(module, LORA_LINEARS):
+            module.active = adapter

@@ -120,7 +120,7 @@ def layer_spec(
     *,
     cpu: bool = False,
     core_attention: Literal["sdpa", "megatron"] = "sdpa",
-    lora: LoraPlan | None = None,
+    lora: LoraPlan | tuple[LoraPlan, ...] | None = None,
 ) -> Any:
     """The decoder's layer spec: megatron-core's local one, or Transformer Engine's (needs it installed).
 
@@ -167,8 +167,10 @@ def layer_spec(
     return block
 
 
-def _lora_slots(model: HFModel, layers: list[Any], lora: LoraPlan) -> None:
-    """Put the adapter-carrying linears into the slots ``lora`` targets (megatron's spec extension points)."""
+def _lora_slots(model: HFModel, layers: list[Any], lora: LoraPlan | tuple[LoraPlan, ...]) -> None:
+    """Put the adapter-carrying linears into the slots ``lora`` targets (megatron's spec extension points).
+
+    Multi-LoRA (a tuple of plans): a slot's linear holds every adapter that targets it."""
     import functools
 
     from megatron.core.transformer.spec_utils import ModuleSpec  # type: ignore[import-untyped]
@@ -178,7 +180,7 @@ def _lora_slots(model: HFModel, layers: list[Any], lora: LoraPlan) -> None:
     for layer in layers:
         attention = layer.submodules.self_attention.submodules
         mlp = layer.submodules.mlp.submodules
-        qkv = lora.linear(model, "self_attention.linear_qkv")
+        qkv = _slot_loras(model, lora, "self_attention.linear_qkv")
         if qkv is not None:  # constructed by a direct call, not build_module: a partial keeps its argument
             attention.linear_qkv = functools.partial(LoraColumnParallelLinear, lora=qkv)
         for owner, attr, slot, cls in (
@@ -186,9 +188,18 @@ def _lora_slots(model: HFModel, layers: list[Any], lora: LoraPlan) -> None:
             (mlp, "linear_fc1", "mlp.linear_fc1", LoraColumnParallelLinear),
             (mlp, "linear_fc2", "mlp.linear_fc2", LoraRowParallelLinear),
         ):
-            linear = lora.linear(model, slot)
+            linear = _slot_loras(model, lora, slot)
             if linear is not None:
                 setattr(owner, attr, ModuleSpec(module=cls, params={"lora": linear}))
+
+
+def _slot_loras(model: HFModel, lora: LoraPlan | tuple[LoraPlan, ...], slot: str) -> Any:
+    """What ``slot``'s linear is built with: the plan's ``LinearLora`` (single form), the adapters' tuple
+    (multi-LoRA), or None (no adapter targets it)."""
+    if not isinstance(lora, tuple):
+        return lora.linear(model, slot)
+    linears = tuple(x for x in (p.linear(model, slot) for p in lora) if x is not None)
+    return linears or None
 
 
 def gpt_model(
@@ -198,7 +209,7 @@ def gpt_model(
     *,
     cpu: bool = False,
     core_attention: Literal["sdpa", "megatron"] = "sdpa",
-    lora: LoraPlan | None = None,
+    lora: LoraPlan | tuple[LoraPlan, ...] | None = None,
     **kwargs: Any,
 ) -> GPTModel:
     """megatron-core's GPT model for ``model`` (needs ``parallel_state`` initialised for ``config``'s layout).

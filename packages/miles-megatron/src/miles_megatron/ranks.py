@@ -36,6 +36,7 @@ COMMANDS = frozenset(
     {
         "loss_kind",
         "train_step",
+        "unsent_adapters",
         "score",
         "update_weights",
         "export_hf",

@@ -155,8 +155,18 @@ class MegatronTrainer:
         self.hf = HFModel.from_dir(spec.model_path)
         self.dtype = DTYPES[options.params_dtype]
         # LoRA: adapters in the planned linears, the base frozen; only the adapter trains, is saved and sent.
+        # Multi-LoRA (lora.adapters): every adapter in the same linears, one optimizer each, one active per pass.
         lora_section = miles.lora.section(spec.config)
-        self.lora = None if lora_section is None else lora_mod.plan(self.hf, lora_section)
+        self.loras: tuple[lora_mod.LoraPlan, ...] = (
+            () if lora_section is None else lora_mod.plans(self.hf, lora_section)
+        )
+        self.lora = self.loras[0] if self.loras else None
+        self.multi = lora_section is not None and lora_section.multi
+        if self.multi and (self.cuda or options.optimizer_streaming or spec.critic is not None):
+            raise ComponentError(
+                "lora.adapters (multi-LoRA) on the megatron backend runs on megatron.device cpu, without "
+                "optimizer streaming and without a critic, so far"
+            )
         replay = train.use_rollout_routing_replay
         if replay and not supports_replay():
             raise ComponentError(
@@ -176,7 +186,7 @@ class MegatronTrainer:
             layer_spec,
             cpu=not self.cuda,
             core_attention=options.core_attention or "sdpa",
-            lora=self.lora,
+            lora=self.loras if self.multi else self.lora,
         ).to(self.device)
         # MoE: the routers count where their top-k differs from the routing the rollout recorded and,
         # with replay on, route as it did (R3; miles_megatron.routing).
@@ -202,6 +212,12 @@ class MegatronTrainer:
         elif VALUES in spec.scores:
             raise ComponentError("megatron: values requested but the spec has no critic")
         self.optimizer_steps = 0
+        # Multi-LoRA: each adapter's AdamW, base learning rate and optimizer steps; the adapters trained
+        # since the last weight update (only those are sent).
+        self.steppers: dict[str, torch.optim.Optimizer] = {}
+        self.adapter_lr: dict[str, float] = {}
+        self.adapter_steps: dict[str, int] = {}
+        self._unsent: set[str] = set()
         self.streaming: StreamingAdamW | None = None
         self._lr = train.lr
         if options.optimizer_streaming:
@@ -212,11 +228,28 @@ class MegatronTrainer:
             from miles_megatron.cpu import weight_decay_groups
 
             self.model: Any = gpt
-            self.optimizer: Any = torch.optim.AdamW(
-                weight_decay_groups(gpt.named_parameters(), train.weight_decay),
-                lr=train.lr,
-                betas=train.betas,
-                eps=train.eps,
+            if self.multi:
+                from miles_megatron.lora_layers import adapter_parameters
+
+                assert lora_section is not None and lora_section.adapters is not None
+                for name, adapter in lora_section.adapters.items():
+                    self.adapter_lr[name] = train.lr if adapter.lr is None else float(adapter.lr)
+                    self.adapter_steps[name] = 0
+                    self.steppers[name] = torch.optim.AdamW(
+                        weight_decay_groups(adapter_parameters(gpt, name), train.weight_decay),
+                        lr=self.adapter_lr[name],
+                        betas=train.betas,
+                        eps=train.eps,
+                    )
+            self.optimizer: Any = (
+                next(iter(self.steppers.values()))
+                if self.steppers
+                else torch.optim.AdamW(
+                    weight_decay_groups(gpt.named_parameters(), train.weight_decay),
+                    lr=train.lr,
+                    betas=train.betas,
+                    eps=train.eps,
+                )
             )
         self.loss_fn, self.correction_fn = self._components()
         self.transport = self._connect_transport()
@@ -377,9 +410,16 @@ class MegatronTrainer:
 
         return parallel_state.get_data_parallel_group()
 
-    def score(self, groups: list[list[Row]], names: list[str]) -> list[list[dict[str, list[float]]]]:
+    def score(
+        self, groups: list[list[Row]], names: list[str], adapter: str | None = None
+    ) -> list[list[dict[str, list[float]]]]:
         """Forward-only: per micro-batch, per row, the named signals: the policy's own log-probs
-        (``old_logprobs``) and those of the frozen scorers this trainer built."""
+        (``old_logprobs``) and those of the frozen scorers this trainer built. Multi-LoRA: the policy
+        with only ``adapter`` active (None: the base)."""
+        if self.multi:
+            from miles_megatron.lora_layers import activate
+
+            activate(self.gpt, adapter)
         scorable = [OLD_LOGPROBS, *self.scorers, *([VALUES] if self.critic is not None else [])]
         unknown = [n for n in names if n not in scorable]
         if unknown:
@@ -433,13 +473,35 @@ class MegatronTrainer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def train_step(self, groups: list[list[Row]], num_loss_tokens: int, num_samples: int) -> dict[str, float]:
+    def train_step(
+        self, groups: list[list[Row]], num_loss_tokens: int, num_samples: int, adapter: str | None = None
+    ) -> dict[str, float]:
+        """One optimizer step on ``groups`` (micro-batches of rows). Multi-LoRA: ``adapter``'s step alone
+        (only it active, its own optimizer, learning rate, schedule and clipping), as a run of that adapter
+        alone on these rows would take it."""
         from miles._plugins.backend_hooks import apply_loss_hooks
 
         self._sync()
         t0 = time.perf_counter()
         mbs = self._micro_batches(groups)
         self.model.train()
+        optimizer = self.optimizer
+        trained: list[torch.nn.Parameter] | None = None  # None: every parameter that requires a gradient
+        if adapter is not None:
+            from miles_megatron.lora_layers import activate, adapter_parameters
+
+            if adapter not in self.steppers:
+                raise ComponentError(
+                    f"megatron: no LoRA adapter {adapter!r}; this trainer has {list(self.steppers)}"
+                )
+            activate(self.gpt, adapter)
+            optimizer = self.steppers[adapter]
+            trained = [p for _, p in adapter_parameters(self.gpt, adapter)]
+            for _, p in adapter_parameters(self.gpt):  # the other adapters' last gradients too
+                p.grad = None
+            lr = self.adapter_lr[adapter] * self.lr_factor(self.adapter_steps[adapter])
+        else:
+            lr = self.train_opts.lr * self.lr_factor(self.optimizer_steps)
         if self.cuda:
             self.model.zero_grad_buffer()
         if self.streaming is not None:
@@ -447,11 +509,10 @@ class MegatronTrainer:
         elif self.cuda:
             self.optimizer.zero_grad()
         else:
-            self.optimizer.zero_grad(set_to_none=True)
-        lr = self.train_opts.lr * self.lr_factor(self.optimizer_steps)
+            optimizer.zero_grad(set_to_none=True)
         self._lr = lr
         if self.streaming is None:
-            for group in self.optimizer.param_groups:
+            for group in optimizer.param_groups:
                 group["lr"] = lr
         kind = self.loss_kind()
         requires = frozenset(getattr(self.loss_fn, "requires", ()))
@@ -511,17 +572,23 @@ class MegatronTrainer:
         if self.dp_size > 1:
             # The losses are normalised by the whole step's counts: the DP ranks' gradients sum to
             # the batch's (megatron's DDP does this on CUDA, which is not launched with DP yet).
-            sum_gradients([p for p in self.gpt.parameters() if p.requires_grad], self._dp_group())
+            sum_gradients(
+                trained if trained is not None else [p for p in self.gpt.parameters() if p.requires_grad],
+                self._dp_group(),
+            )
             shares = gather_shares([(outs, tokens)], self._dp_group())
             outs = [o for share in shares for o in share[0][0]]
             tokens = sum(share[0][1] for share in shares)
         self._sync()
         t_fb = time.perf_counter()
-        ok, grad_norm = self._optimizer_step()
+        ok, grad_norm = self._optimizer_step(optimizer, trained)
         self._sync()
         t_opt = time.perf_counter()
         if ok:
             self.optimizer_steps += 1
+            if adapter is not None:
+                self.adapter_steps[adapter] += 1
+                self._unsent.add(adapter)
         critic_metrics = {}
         if self.critic is not None:
             critic_metrics = self.critic.train_step(
@@ -561,8 +628,14 @@ class MegatronTrainer:
             metrics["optimizer/streamed_buckets"] = float(len(self.streaming.buckets))
         return metrics
 
-    def _optimizer_step(self) -> tuple[bool, float | None]:
-        """One optimizer step: (whether it was taken, the gradient norm before clipping)."""
+    def _optimizer_step(
+        self, optimizer: Any = None, params: list[torch.nn.Parameter] | None = None
+    ) -> tuple[bool, float | None]:
+        """One optimizer step: (whether it was taken, the gradient norm before clipping).
+
+        ``optimizer`` and ``params`` (multi-LoRA: one adapter's): default the trainer's and every
+        parameter that requires a gradient."""
+        optimizer = self.optimizer if optimizer is None else optimizer
         if self.cuda and self.streaming is None:
             ok, grad_norm, _ = self.optimizer.step()
             return bool(ok), grad_norm
@@ -570,7 +643,8 @@ class MegatronTrainer:
 
         if not self.cuda:  # on CUDA megatron's finalize_model_grads has reduced them
             reduce_tp_shared_grads(self.gpt, bool(self.config.qk_layernorm))
-        params = [p for p in self.gpt.parameters() if p.requires_grad]
+        if params is None:
+            params = [p for p in self.gpt.parameters() if p.requires_grad]
         grad_attr = "main_grad" if self.cuda else "grad"
         norm = clip_grad_norm(params, self.train_opts.grad_clip, grad_attr)
         if not math.isfinite(norm):
@@ -578,7 +652,7 @@ class MegatronTrainer:
         if self.streaming is not None:
             self.streaming.step(self._lr)
         else:
-            self.optimizer.step()
+            optimizer.step()
         return True, norm
 
     # ---------------------------------------------------------------- weights
@@ -598,13 +672,22 @@ class MegatronTrainer:
     def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's stage in HF names and layouts (TP shards gathered through the layout's groups);
         under LoRA only the adapter, under the names the engines hold it by (``lora.engine_stream``)."""
+        if self.multi:  # only the adapters trained since the last update
+            sent = tuple(p for p in self.loras if p.name in self._unsent)
+            self._unsent.clear()
+            return lora_mod.engine_stream(self, sent)
         if self.lora is not None:
             return lora_mod.engine_stream(self)
         state = self.gpt.state_dict(keep_vars=False)
         return iter_export(self.hf, self.layout, self.rank, state, self._gather, self.layer_spec)
 
+    def unsent_adapters(self) -> list[str]:
+        """Multi-LoRA: the adapters the next weight update sends (those trained since the last)."""
+        return [p.name for p in self.loras if p.name in self._unsent]
+
     def update_weights(self, version: int) -> TransportStats:
         if self.transport is None:
+            self._unsent.clear()
             return TransportStats(bytes_sent=0, seconds=0.0, buckets=0, version=version)
         self.model.eval()
         with torch.no_grad():
@@ -668,6 +751,10 @@ class MegatronTrainer:
             if isinstance(v, torch.Tensor) and (self.lora is None or ".lora_" in k)
         }
         save_file(tensors, os.path.join(directory, "model.safetensors"))
+        if self.multi:  # each adapter's AdamW state in its own file
+            for name, optimizer in self.steppers.items():
+                torch.save(optimizer.state_dict(), os.path.join(directory, f"optimizer-{name}.pt"))
+            return
         torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
 
     def _load_cpu(self, directory: str) -> None:
@@ -675,6 +762,13 @@ class MegatronTrainer:
 
         tensors = load_file(os.path.join(directory, "model.safetensors"))
         # weights_only: a checkpoint file never runs code when it is read.
+        if self.multi:
+            states = {
+                name: torch.load(os.path.join(directory, f"optimizer-{name}.pt"), weights_only=True)
+                for name in self.steppers
+            }
+            self._apply_cpu(directory, tensors, {}, states)
+            return
         optimizer_state = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
         self._apply_cpu(directory, tensors, optimizer_state)
 
@@ -685,12 +779,25 @@ class MegatronTrainer:
 
         reshard = CPUReshard(directory, saved, self.layout, self.rank)
         tensors = reshard.tensors("model.safetensors")
-        self._apply_cpu(directory, tensors, reshard.optimizer_state("optimizer.pt", self.gpt, self.optimizer))
+        if self.multi:
+            states = {
+                name: reshard.optimizer_state(f"optimizer-{name}.pt", self.gpt, optimizer)
+                for name, optimizer in self.steppers.items()
+            }
+            self._apply_cpu(directory, tensors, {}, states)
+        else:
+            self._apply_cpu(
+                directory, tensors, reshard.optimizer_state("optimizer.pt", self.gpt, self.optimizer)
+            )
         if self.critic is not None:
             self.critic.load(directory, self._cpu_dir(directory), reshard)
 
     def _apply_cpu(
-        self, directory: str, tensors: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+        self,
+        directory: str,
+        tensors: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any],
+        adapter_states: dict[str, Any] | None = None,
     ) -> None:
         result = self.gpt.load_state_dict(tensors, strict=False)
         missing = [  # a LoRA checkpoint holds only the adapter
@@ -703,6 +810,10 @@ class MegatronTrainer:
                 f"checkpoint {directory} does not fit this model: missing {missing[:5]}, "
                 f"unexpected {list(result.unexpected_keys)[:5]}"
             )
+        if adapter_states is not None:  # multi-LoRA: each adapter's optimizer
+            for name, state in adapter_states.items():
+                self.steppers[name].load_state_dict(state)
+            return
         self.optimizer.load_state_dict(optimizer_state)
 
     def _write_marker(self, directory: str, optimizer: str) -> None:
@@ -716,6 +827,8 @@ class MegatronTrainer:
                         "optimizer_steps": self.optimizer_steps,
                         "lora": None
                         if self.lora is None
+                        else lora_mod.record_multi(self.loras, self.spec.model_path, self.adapter_steps)
+                        if self.multi
                         else lora_mod.record(self.lora, self.spec.model_path),
                         "critic": self.critic is not None,
                     },
@@ -791,6 +904,10 @@ class MegatronTrainer:
             else:  # another TP / DP layout: each rank rebuilds its shards from the saved ranks'
                 self._load_cpu_resharded(directory, saved)
             self.optimizer_steps = int(marker["optimizer_steps"])
+            if self.multi:
+                steps = (marker.get("lora") or {}).get("steps") or {}
+                self.adapter_steps = {name: int(steps.get(name, 0)) for name in self.steppers}
+                self._unsent = set(self.steppers)  # the engines hold the initial adapters: send them all
             return
         from megatron.core import dist_checkpointing
 
@@ -822,7 +939,10 @@ class MegatronTrainer:
                 t = getattr(buffer, attr, None)
                 if isinstance(t, torch.Tensor):
                     yield t
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        optimizers = list(self.steppers.values()) or getattr(
+            self.optimizer, "chained_optimizers", [self.optimizer]
+        )
+        for opt in optimizers:
             inner = getattr(opt, "optimizer", opt)  # megatron's wrapper, or torch's AdamW itself (CPU)
             if not isinstance(inner, torch.optim.Optimizer):
                 continue
