@@ -33,6 +33,10 @@ RUN = "tests/test_hookspecs.py::test_driver_hooks_fire_in_one_run"
 RANK = "tests/fsdp/test_rank_hooks.py"
 
 HOOK_TESTS: dict[str, list[str]] = {
+    "miles_model_directory": [
+        "tests/test_hookspecs.py::test_a_plugin_claims_a_model_directory_of_its_own_layout",
+        "tests/diffusion/test_sd3.py::test_the_core_path_takes_an_sd3_directory_and_refuses_another_pipeline",
+    ],
     "miles_config_sections": [
         "tests/test_hookspecs.py::test_config_sections_type_a_recipe_section",
         f"{RANK}::test_rank_configures_plugins_from_the_spec_config",
@@ -451,3 +455,30 @@ def test_driver_hooks_fire_in_one_run(fake_site, tmp_path: Path, monkeypatch: py
         # once the advantages are zero.
         assert row["loss/fixture_term"] == pytest.approx(0.25)
         assert row["train/loss"] == pytest.approx(0.25, abs=1e-6)
+
+
+class DirectoryPlugin:
+    """Claims directories holding a ``layout.json`` (a layout of its own, no top-level config.json)."""
+
+    @hookimpl
+    def miles_model_directory(self, path: str) -> str | None:
+        return "a two-part layout" if (Path(path) / "layout.json").is_file() else None
+
+
+def test_a_plugin_claims_a_model_directory_of_its_own_layout(registered, tmp_path: Path) -> None:
+    from miles.errors import ModelError
+    from miles.models.registry import check_model_dir, claimed_directory, resolve_model
+
+    own = tmp_path / "own"
+    (own / "part").mkdir(parents=True)
+    (own / "layout.json").write_text("{}")
+    with pytest.raises(ModelError, match=r"missing config\.json"):
+        check_model_dir(own)
+    registered(DirectoryPlugin())
+    assert claimed_directory(own) == "a two-part layout"
+    assert check_model_dir(own) == own.resolve() and resolve_model(str(own)) == str(own.resolve())
+    other = tmp_path / "other"
+    other.mkdir()
+    assert claimed_directory(other) is None
+    with pytest.raises(ModelError, match=r"missing config\.json"):
+        check_model_dir(other)
