@@ -21,10 +21,9 @@ import time
 import weakref
 from typing import Any
 
-from pydantic import ValidationError
-
 import miles.lora
 from miles.config.schema import TrainSection
+from miles.config.sections import backend_sections
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import BackendSpec, TransportStats
 from miles.train_rows import OLD_LOGPROBS, check_batch, mini_batches, sub_batch
@@ -466,12 +465,4 @@ def _check_model_dir(path: str, role: str) -> None:
 
 
 def _validate_options(options: dict[str, Any]) -> tuple[TrainSection, FSDPOptions]:
-    try:
-        train = TrainSection.model_validate(options.get("train", {}))
-        fsdp = FSDPOptions.model_validate(options.get("fsdp", {}))
-    except ValidationError as exc:
-        raise ConfigError(f"fsdp backend options are invalid: {exc}") from exc
-    unknown = set(options) - {"train", "fsdp"}
-    if unknown:
-        raise ConfigError(f"fsdp backend options: unknown section(s) {sorted(unknown)}; allowed: train, fsdp")
-    return train, fsdp
+    return backend_sections(options, "fsdp", FSDPOptions)
