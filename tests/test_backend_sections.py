@@ -22,7 +22,7 @@ def test_both_sections_are_validated_and_defaults_fill_what_is_missing() -> None
 
 
 def test_a_bad_value_and_an_unknown_section_are_one_error_each_naming_the_backend() -> None:
-    with pytest.raises(ConfigError, match="mine backend options are invalid.*ranks"):
+    with pytest.raises(ConfigError, match=r"(?s)mine backend options are invalid.*ranks"):
         backend_sections({"mine": {"ranks": "many"}}, "mine", _Own)
     with pytest.raises(ConfigError, match=r"unknown section\(s\) \['fsdp'\]; allowed: train, mine"):
         backend_sections({"fsdp": {}}, "mine", _Own)
