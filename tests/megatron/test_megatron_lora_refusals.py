@@ -3,6 +3,8 @@ the ones it runs pass the pre-flight (``miles config validate --check``)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 from megatron_helpers import SHAPE
@@ -30,6 +32,9 @@ def _validate(*sets: str) -> tuple[int, list[str]]:
 def test_a_lora_recipe_on_megatron_passes_the_pre_flight():
     code, lines = _validate("lora.rank=8", 'lora.target_modules=["q_proj", "v_proj", "down_proj"]')
     assert code == 0, lines
+    adapters = {"math": {"rank": 4}, "code": {"rank": 2, "target_modules": ["q_proj"], "lr": 0.02}}
+    code, lines = _validate(f"lora={json.dumps({'adapters': adapters})}")  # multi-LoRA
+    assert code == 0, lines
 
 
 @pytest.mark.parametrize(
@@ -43,13 +48,22 @@ def test_a_lora_recipe_on_megatron_passes_the_pre_flight():
         ),
         (["transport=disk-delta"], "transport 'disk-delta' cannot carry a LoRA adapter"),
         (
-            ['lora={"adapters": {"math": {"rank": 4}, "code": {"rank": 2}}}'],
-            "backend 'megatron' cannot train several adapters at once",
+            ["megatron.device=cuda", 'lora={"adapters": {"math": {"rank": 4}, "code": {"rank": 2}}}'],
+            "lora.adapters (multi-LoRA) on the megatron backend runs on megatron.device cpu only so far",
+        ),
+        (
+            [
+                "megatron.num_ranks=2",
+                "megatron.tensor_parallel=2",
+                'lora={"adapters": {"math": {"rank": 4}, "code": {"rank": 2, "dropout": 0.1}}}',
+            ],
+            "lora.adapters.code.dropout 0.1 with megatron.tensor_parallel 2",
         ),
     ],
 )
 def test_what_megatron_lora_cannot_run_is_refused_in_one_line(sets, message):
-    code, lines = _validate("lora.rank=8", *sets)
+    lora = [] if any(s.startswith("lora=") for s in sets) else ["lora.rank=8"]
+    code, lines = _validate(*lora, *sets)
     assert code == 1, lines
     assert len(lines) == 1 and message in lines[0], lines
 

@@ -113,6 +113,10 @@ def routing_replay_problem(model_path: str, options: MegatronOptions) -> str | N
 class MegatronBackend:
     """``miles.interfaces.Backend`` on megatron-core; options come from the ``train`` and ``megatron`` sections."""
 
+    # Multi-LoRA (lora.adapters, CPU trainer): every adapter in the same linears, an optimizer per adapter,
+    # each step's batch split by Sample.metadata[ADAPTER_KEY] (see miles.driver.adapters).
+    trains_adapters = True
+
     @staticmethod
     def routing_replay_problem(model_path: str, config: Any) -> str | None:
         """Why this backend cannot replay ``model_path``'s MoE routing under ``config``, or None: it replays

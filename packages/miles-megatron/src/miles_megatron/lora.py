@@ -1,7 +1,8 @@
 """LoRA on the Megatron backend: which of megatron's linears carry an adapter, under which names.
 
-The recipe's ``lora`` section (single form: ``rank``, ``alpha``, ``dropout``, ``target_modules``)
-names HF modules. Megatron fuses some of them, so one megatron linear may hold several HF parts:
+The recipe's ``lora`` section (single form: ``rank``, ``alpha``, ``dropout``, ``target_modules``; or
+several adapters under ``adapters``) names HF modules. Megatron fuses some of them, so one megatron
+linear may hold several HF parts:
 
 - ``self_attention.linear_qkv`` (column-parallel): q_proj, k_proj, v_proj, interleaved per query group;
 - ``self_attention.linear_proj`` (row-parallel): o_proj;
@@ -13,6 +14,11 @@ scaled by ``alpha / r``, exactly as ``peft`` builds one per HF module), and the 
 the parts' deltas in its own output layout (``lora_layers``). So a slot targeted for only some of
 its parts is exact (the others get no delta), and the export is the trainer's tensors as they are,
 under the HF module names: ``peft`` loads it onto the HF model and computes the same function.
+
+Multi-LoRA (``lora.adapters``): each adapter is planned on its own (:func:`plans`: its shape and targets),
+and a linear holds every adapter that targets it side by side, its factors keyed ``<adapter>-<part>``
+(:func:`factor_key`); only the active adapter adds its delta (``lora_layers.activate``), so each adapter's
+rows train it alone. Exports go to ``final/<name>/``, weight updates carry the adapters by their names.
 
 Nothing here imports megatron-core: :func:`plan` (the recipe's targets against the model, refused
 in one sentence each) runs in the backend's pre-flight.
