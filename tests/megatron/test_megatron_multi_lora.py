@@ -226,3 +226,15 @@ def test_tensor_parallel_multi_lora_on_gloo_trains_the_same_adapters(base, tmp_p
             assert torch.allclose(one[key], two[key], atol=2e-5), key
         resharded = tensors(tmp_path / "resharded" / name)
         assert all(torch.equal(resharded[k], two[k]) for k in two)
+
+
+def test_several_adapters_with_a_critic_are_refused_in_one_line(base):
+    import dataclasses
+
+    from miles.errors import ConfigError
+    from miles.interfaces import CriticSpec
+
+    spec = dataclasses.replace(multi_spec(base), critic=CriticSpec(model_path=str(base)))
+    with pytest.raises(ConfigError, match=r"lora.adapters \(multi-LoRA\) with a critic") as err:
+        MegatronBackend().setup(spec)
+    assert "\n" not in str(err.value)
