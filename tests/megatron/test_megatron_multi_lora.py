@@ -4,8 +4,8 @@ Two adapters (different ranks, targets and rates) in the same adapter-carrying l
 batch mixing both equals, adapter by adapter, a single-form run of that adapter alone on its rows (from
 the same initial factors); the weight stream carries only the adapters that stepped since the last
 update; each ``final/<name>/`` export loads with peft and gives the trainer's log-probs; a checkpoint
-resumes both adapters and both optimizers bit for bit; TP = 2 on gloo trains the same adapters as one
-rank, and its checkpoint loads on one rank (resharded).
+resumes both adapters and both optimizers bit for bit; TP = 2 and DP = 2 on gloo train the same adapters
+as one rank, and their checkpoints load on one rank (resharded).
 """
 
 from __future__ import annotations
@@ -199,33 +199,51 @@ def test_two_adapters_in_one_batch_train_as_each_alone_and_resume_exactly(base, 
             wrong.shutdown()
 
 
-def test_tensor_parallel_multi_lora_on_gloo_trains_the_same_adapters(base, tmp_path):
-    """TP = 2: both adapters equal the one-rank run's after two mixed steps, and the TP = 2 checkpoint
-    loads on one rank (each factor resharded), giving the TP = 2 run's adapters exactly."""
+def test_tensor_and_data_parallel_multi_lora_on_gloo_train_the_same_adapters(base, tmp_path):
+    """TP = 2 and DP = 2: both adapters equal the one-rank run's after two mixed steps, and each layout's
+    checkpoint loads on one rank (each factor and each adapter's AdamW state resharded), giving that
+    layout's adapters exactly, and the next step from it equals that layout's own next step."""
     batches = [mixed(0), mixed(1)]
-    for tp in (2, 1):
+    layouts = {"tp2": {"num_ranks": 2, "tensor_parallel": 2}, "dp2": {"num_ranks": 2, "tensor_parallel": 1}}
+    for layout, megatron in [*layouts.items(), ("one", {"num_ranks": 1, "tensor_parallel": 1})]:
+        spec = multi_spec(base)
+        spec.options["megatron"].update(megatron)
         backend = MegatronBackend()
-        backend.setup(multi_spec(base, tp=tp))
+        backend.setup(spec)
         try:
             for batch in batches:
                 backend.train_step(batch)
-            backend.export_hf(str(tmp_path / f"tp{tp}"))
-            if tp == 2:
-                backend.save_checkpoint(str(tmp_path / "ckpt2"))
-            else:
-                backend.load_checkpoint(str(tmp_path / "ckpt2"))
-                backend.export_hf(str(tmp_path / "resharded"))
+            backend.export_hf(str(tmp_path / layout))
+            if layout != "one":
+                backend.save_checkpoint(str(tmp_path / f"ckpt-{layout}"))
+                backend.train_step(mixed(2))
+                backend.export_hf(str(tmp_path / f"{layout}-next"))
+                continue
+            for saved in layouts:
+                backend.load_checkpoint(str(tmp_path / f"ckpt-{saved}"))
+                assert backend.unsent_adapters() == ["math", "code"]
+                backend.export_hf(str(tmp_path / f"resharded-{saved}"))
+                # The next step from the resharded AdamW states is the layout's own next step.
+                backend.train_step(mixed(2))
+                backend.export_hf(str(tmp_path / f"resharded-{saved}-next"))
         finally:
             backend.shutdown()
     for name in ("math", "code"):
-        one, two = tensors(tmp_path / "tp1" / name), tensors(tmp_path / "tp2" / name)
-        assert set(one) == set(two)
-        for key in one:
-            # Summation order differs between the layouts, and Adam (math's rate 5e-2) carries it into A's
-            # second step (2026-12-07: at most 5.5e-6 apart; after one step 9e-7).
-            assert torch.allclose(one[key], two[key], atol=2e-5), key
-        resharded = tensors(tmp_path / "resharded" / name)
-        assert all(torch.equal(resharded[k], two[k]) for k in two)
+        one = tensors(tmp_path / "one" / name)
+        for layout in layouts:
+            other = tensors(tmp_path / layout / name)
+            assert set(one) == set(other)
+            for key in one:
+                # Summation order differs between the layouts, and Adam (math's rate 5e-2) carries it into
+                # A's second step (2026-12-07: at most 5.5e-6 apart with TP = 2, 2.4e-6 with DP = 2).
+                assert torch.allclose(one[key], other[key], atol=2e-5), (layout, key)
+            resharded = tensors(tmp_path / f"resharded-{layout}" / name)
+            assert all(torch.equal(resharded[k], other[k]) for k in other), layout
+            want, got = (
+                tensors(tmp_path / f"{layout}-next" / name),
+                tensors(tmp_path / f"resharded-{layout}-next" / name),
+            )
+            assert all(torch.allclose(got[k], want[k], atol=2e-5) for k in want), layout
 
 
 def test_several_adapters_with_a_critic_are_refused_in_one_line(base):
