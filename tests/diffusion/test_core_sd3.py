@@ -5,6 +5,11 @@ The scaled-down random SD3 pipeline (``builtin:tiny-sd3``) served by the diffusi
 latents), trained by the diffusion backend (the transformer alone: re-scored latents, transformer-only
 weight updates and checkpoints), exported as a whole diffusers directory.
 
+Standards (``tests/diffusion/standards/sd3_flow_grpo_proxy_core*.json``, the convention of
+``test_core_run.py``): the whole 40-step recipe through the CLI, every registered metric bit for bit
+(``-m extended``, about 75 s), and its first 3 steps, which the default run's 3-step run must equal.
+Regenerate: ``uv run python -m tests.diffusion.test_core_sd3``.
+
 Default run: an in-process engine whose every step's log-probability equals the trainer's re-scoring
 bit for bit, and a 3-step ``miles run`` through the CLI (reward and loss logged, the engine at version
 step + 1, the engine–trainer gap zero, each update the transformer's bytes, the export loaded by
@@ -15,6 +20,7 @@ step 2's checkpoint redoing step 2 bit for bit.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,11 +35,16 @@ from miles_diffusion.sd3 import SD3FlowModel
 from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wire import unpack
 
+from ._standards import assert_matches_standard, write_standard
+
 pytestmark = pytest.mark.slow
 
 RECIPE = "sd3_flow_grpo_proxy"
 STEPS = 3
 RESUME_FROM = 2
+WHOLE = 40  # the recipe's own run.num_steps
+STANDARD = "sd3_flow_grpo_proxy_core"  # the whole recipe through miles run (compared with -m extended)
+CUT_STANDARD = "sd3_flow_grpo_proxy_core_cut3"  # its first 3 steps (compared in the default run)
 TEXTS = (
     "a photo of a red apple on a table",
     "a watercolor painting of a lighthouse at dusk",
@@ -118,7 +129,7 @@ def test_miles_run_trains_resumes_and_exports_the_sd3_proxy(tmp_path: Path) -> N
     ]
     args = ["run", RECIPE, *(a for o in overrides for a in ("--set", o))]
     result = _miles(*args)
-    assert f"recipe {RECIPE}: evidence level verified" in result.stderr
+    assert f"recipe {RECIPE}: evidence level proxy gated" in result.stderr
     run_dir = tmp_path / RECIPE
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
@@ -130,6 +141,8 @@ def test_miles_run_trains_resumes_and_exports_the_sd3_proxy(tmp_path: Path) -> N
     # The policy moved: rewards and losses differ from step to step.
     assert len({r["rollout/reward_mean"] for r in rows}) == STEPS
     assert len({r["train/loss"] for r in rows}) == STEPS
+    # Every registered metric equals the first 3 steps of the whole recipe's standard, bit for bit.
+    assert_matches_standard(CUT_STANDARD, rows)
 
     # Checkpoints and updates carry the transformer alone.
     checkpoint = run_dir / "checkpoints" / f"step_{RESUME_FROM:06d}" / "trainer"
@@ -173,3 +186,27 @@ def test_the_real_model_recipe_passes_the_checks_on_the_proxy_directory() -> Non
     close_components(checked.components)
     assert checked.model_path == str(proxy.resolve())
     assert len(config.rollout.options["prompts"]) == 8
+
+
+def whole_run(output_dir: Path) -> list[dict[str, float]]:
+    """The shipped recipe as it is (40 steps, its seeds, one torch thread); only where it writes and
+    the console differ, neither of which touches a number."""
+    overrides = [f"run.output_dir={output_dir}", "tracking.console=false"]
+    _miles("run", RECIPE, *(a for o in overrides for a in ("--set", o)))
+    return _rows(output_dir / RECIPE)
+
+
+@pytest.mark.extended
+def test_the_whole_recipe_matches_its_standard_bit_for_bit(tmp_path: Path) -> None:
+    rows = whole_run(tmp_path)
+    assert [r["step"] for r in rows] == list(range(WHOLE))
+    assert [r["engine/weight_version"] for r in rows] == list(range(1, WHOLE + 1))
+    assert rows[-1]["rollout/reward_mean"] > rows[0]["rollout/reward_mean"] + 0.01  # 0.5506 -> 0.5724
+    assert_matches_standard(STANDARD, rows)
+
+
+if __name__ == "__main__":  # regenerate the standards: uv run python -m tests.diffusion.test_core_sd3
+    with tempfile.TemporaryDirectory() as out:
+        history = whole_run(Path(out))
+    print(f"wrote {write_standard(STANDARD, history)}")
+    print(f"wrote {write_standard(CUT_STANDARD, history[:STEPS])}")
