@@ -2,12 +2,14 @@
 (their own shapes, rates, prompts per step and step counts) train in one run; the engine serves each
 adapter's rollouts with that adapter as trained so far (its log-probs of each adapter's samples equal the
 trainer's); once one adapter stops training an update carries only the other's bytes; per-adapter
-metrics; each ``final/<name>/`` export is a peft directory, and both load side by side.
+metrics; each ``final/<name>/`` export is a peft directory, and both load side by side; ``--resume``
+brings the engine both adapters as checkpointed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from megatron_helpers import cpu_run_config, read_rows
@@ -42,15 +44,12 @@ def test_miles_run_trains_two_adapters_with_megatron_on_cpu(tmp_path, monkeypatc
 
     from miles.loop import train
 
-    config = cpu_run_config(
-        tmp_path,
-        monkeypatch,
-        3,
-        "train.lr=0.01",
-        "run.save_every=3",
-        f"lora={json.dumps({'adapters': ADAPTERS})}",
-    )
-    result = train(config)
+    def config(steps: int):
+        return cpu_run_config(
+            tmp_path, monkeypatch, steps, "train.lr=0.01", f"lora={json.dumps({'adapters': ADAPTERS})}"
+        )
+
+    result = train(config(3))
     rows = read_rows(result.metrics_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     final = f"{result.run_dir}/final"
@@ -80,10 +79,18 @@ def test_miles_run_trains_two_adapters_with_megatron_on_cpu(tmp_path, monkeypatc
     model.load_adapter(f"{final}/code", adapter_name="code")
     assert sorted(model.peft_config) == ["code", "math"]
     # The run's checkpoint holds both adapters' factors and optimizer states.
-    trainer_dir = f"{result.run_dir}/checkpoints/step_000003/trainer/cpu/rank00000"
-    import os
-
+    trainer_dir = f"{result.run_dir}/checkpoints/step_000002/trainer/cpu/rank00000"
     assert sorted(f for f in os.listdir(trainer_dir) if f.startswith("optimizer")) == [
         "optimizer-code.pt",
         "optimizer-math.pt",
     ]
+
+    # --resume from the step-2 checkpoint (written after step 2): the engine, started again with the initial
+    # adapters, is brought both checkpointed adapters before it generates (an update outside the steps'
+    # rows; with nothing to send it would fail), so step 3's rollouts of math are served by math as
+    # trained (B away from zero: the initial adapter would differ); step 3's update carries math only.
+    result = train(config(4), resume=True)
+    rows = read_rows(result.metrics_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[-1]["weight_sync/bytes"] == math and rows[-1]["lora/code/stepped"] == 0.0
+    assert rows[-1]["lora/math/correction/abs_dev"] < 1e-4
