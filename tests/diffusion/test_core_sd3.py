@@ -28,10 +28,10 @@ import torch
 from click.testing import CliRunner, Result
 
 from miles.cli import cli
-from miles_diffusion.engine.server import DiffusionEngine, EngineRefusal, GenerateBody
+from miles_diffusion.engine.server import DiffusionEngine, EngineRefusal, GenerateBody, UpdateFromDiskBody
 from miles_diffusion.families import load_model
 from miles_diffusion.sampler import SamplerConfig, step_log_prob
-from miles_diffusion.sd3 import SD3FlowModel
+from miles_diffusion.sd3 import SD3FlowModel, export_pipeline
 from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wire import unpack
 
@@ -76,10 +76,10 @@ def _rows(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_engine_serves_texts_and_images_the_trainer_rescores_exactly() -> None:
+def test_the_engine_serves_texts_and_images_the_trainer_rescores_exactly(tmp_path: Path) -> None:
     """The engine (in process) encodes the request's texts and decodes the final latents with the VAE;
     the trainer's model, loaded with the recipe's texts, re-scores every step of the same batch bit
-    for bit and decodes the same images."""
+    for bit and decodes the same images; the engine loads a trainer's export from disk."""
     proxy = resolve_model_dir("builtin:tiny-sd3")
     engine = DiffusionEngine(str(proxy), max_batch_size=8)
     ids = [2, 0, 2, 3]
@@ -108,6 +108,18 @@ def test_the_engine_serves_texts_and_images_the_trainer_rescores_exactly() -> No
     # In microgroups of 2 (the same noise per seed) the forward passes round a few ulp apart.
     halves = unpack(engine.generate(body.model_copy(update={"microgroup_size": 2})))
     assert torch.allclose(halves.trajectory.log_probs, trajectory.log_probs, atol=1e-5, rtol=0)
+    # The fleet's catch-up of a restarted engine: /update_weights_from_disk of a trainer's export (a
+    # whole pipeline directory) loads its transformer at the given version.
+    with torch.no_grad():
+        for parameter in trainer.parameters():
+            parameter.add_(0.01)
+    export = export_pipeline(trainer, proxy, tmp_path / "export")
+    answer = engine.update_from_disk(UpdateFromDiskBody(model_path=str(export), weight_version="7"))
+    assert answer["success"] and engine.weight_version == 7
+    engine_state, trained = engine.model.state_dict(), trainer.state_dict()
+    assert set(engine_state) == set(trained) and all(
+        torch.equal(engine_state[k], trained[k]) for k in trained
+    )
     for bad, message in (
         ({"texts": None}, "prompted with text: give texts"),
         ({"texts": ["a", "b"]}, "2 texts for 4 prompts"),
