@@ -487,6 +487,10 @@ class MegatronTrainer:
         self.model.train()
         optimizer = self.optimizer
         trained: list[torch.nn.Parameter] | None = None  # None: every parameter that requires a gradient
+        if self.multi and adapter is None:
+            raise ComponentError(
+                "megatron: a multi-LoRA trainer steps one adapter at a time; name the adapter"
+            )
         if adapter is not None:
             from miles_megatron.lora_layers import activate, adapter_parameters
 
