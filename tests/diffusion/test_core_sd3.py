@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ from miles_diffusion.families import load_model
 from miles_diffusion.sampler import SamplerConfig, step_log_prob
 from miles_diffusion.sd3 import SD3FlowModel, export_pipeline
 from miles_diffusion.train import resolve_model_dir
-from miles_diffusion.wire import unpack
+from miles_diffusion.wire import FrameReader, unpack, unpack_frame
 
 from ._standards import assert_matches_standard, write_standard
 
@@ -108,6 +109,17 @@ def test_the_engine_serves_texts_and_images_the_trainer_rescores_exactly(tmp_pat
     # In microgroups of 2 (the same noise per seed) the forward passes round a few ulp apart.
     halves = unpack(engine.generate(body.model_copy(update={"microgroup_size": 2})))
     assert torch.allclose(halves.trajectory.log_probs, trajectory.log_probs, atol=1e-5, rtol=0)
+    # Streamed (the pipelined rollout's form): each microgroup's frame carries its own images, equal
+    # to the unstreamed answer's at the same microgroup size.
+    sent: list[bytes] = []
+    streamed = body.model_copy(update={"microgroup_size": 2, "stream": True})
+    engine.generate_frames(streamed, sent.append, threading.Event())
+    reader = FrameReader(shared=False)
+    frames = [unpack_frame(frame) for chunk in sent for frame in reader.feed(chunk)]
+    assert [f.offset for f in frames] == [0, 2] and halves.images is not None
+    for frame in frames:
+        assert frame.batch.images is not None
+        assert torch.equal(frame.batch.images, halves.images[frame.offset : frame.offset + 2])
     # The fleet's catch-up of a restarted engine: /update_weights_from_disk of a trainer's export (a
     # whole pipeline directory) loads its transformer at the given version.
     with torch.no_grad():
