@@ -127,7 +127,7 @@ class DiffusionBackend:
         if section.deterministic:
             self._stack.enter_context(deterministic_mode(spec.seed))
         try:
-            check_core_path(spec.model_path)  # the families the engine and backend serve (tiny UNet)
+            check_core_path(spec.model_path)  # the families the engine and backend serve (tiny UNet, sd3)
         except ValueError as exc:
             raise ConfigError(f"{WHO}: {exc}") from None
         try:
