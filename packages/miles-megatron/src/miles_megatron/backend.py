@@ -19,10 +19,9 @@ import os
 import time
 from typing import Any
 
-from pydantic import ValidationError
-
 import miles.lora
 from miles.config.schema import TrainSection
+from miles.config.sections import backend_sections
 from miles.errors import ConfigError, ModelError
 from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, VALUES, BackendSpec, TransportStats
 from miles.train_rows import OLD_LOGPROBS, Row, batch_rows, check_batch, mini_batches, sample_row
@@ -42,17 +41,7 @@ _ALLOWED_WHILE_OFFLOADED = frozenset({"offload", "onload", "shutdown"})
 
 def validate_options(options: dict[str, Any]) -> tuple[TrainSection, MegatronOptions]:
     """The ``train`` and ``megatron`` sections of a backend spec's options (unknown sections refused)."""
-    try:
-        train = TrainSection.model_validate(options.get("train", {}))
-        megatron = MegatronOptions.model_validate(options.get("megatron", {}))
-    except ValidationError as exc:
-        raise ConfigError(f"megatron backend options are invalid: {exc}") from exc
-    unknown = set(options) - {"train", "megatron"}
-    if unknown:
-        raise ConfigError(
-            f"megatron backend options: unknown section(s) {sorted(unknown)}; allowed: train, megatron"
-        )
-    return train, megatron
+    return backend_sections(options, "megatron", MegatronOptions)
 
 
 def resolve_layer_spec(options: MegatronOptions) -> Spec:
