@@ -40,9 +40,15 @@ class TrainerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     """AdamW's betas and epsilon (torch's defaults)."""
+    fsdp_ranks: int = 1
+    """The package driver only (``python -m miles_diffusion.train``): with more than 1, the driver runs
+    that many local CPU ranks over gloo and Flow-GRPO trains data-parallel on FSDP2
+    (:mod:`miles_diffusion.fsdp`); 1 is the plain one-process trainer."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        if self.fsdp_ranks < 1:
+            raise ValueError(f"trainer.fsdp_ranks must be at least 1, got {self.fsdp_ranks}")
 
 
 @dataclass(frozen=True)

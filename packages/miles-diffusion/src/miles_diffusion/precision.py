@@ -9,7 +9,8 @@ forward under autocast at ``compute_dtype`` and those modules outside it, in FP3
 
 The parameters themselves stay FP32 (they are the optimizer's master weights); autocast casts them
 for the BF16 matmuls and convolutions, as FSDP2's mixed-precision policy casts the gathered
-parameters. This is the single-process form of that policy; FSDP2 through miles-fsdp is not wired.
+parameters. This is the single-process form of that policy; under FSDP2 (:mod:`miles_diffusion.fsdp`)
+the same section maps onto ``MixedPrecisionPolicy``.
 """
 
 from __future__ import annotations

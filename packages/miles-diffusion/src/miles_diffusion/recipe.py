@@ -64,6 +64,11 @@ class DiffusionRecipe:
             object.__setattr__(self, "prompts", tuple(str(p) for p in self.prompts))
             if isinstance(self.model, TinyFlowModelConfig):
                 raise ValueError("prompts: texts are for a model directory of a text family (e.g. sd3)")
+        if self.trainer.fsdp_ranks > 1 and self.objective.name != FlowGRPOConfig.name:
+            raise ValueError(
+                f"trainer.fsdp_ranks: FSDP2 data-parallel training is for flow_grpo only so far, "
+                f"not {self.objective.name!r}"
+            )
 
 
 def _build(cls: type, data: dict[str, Any]) -> Any:

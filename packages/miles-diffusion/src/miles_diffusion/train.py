@@ -104,10 +104,62 @@ def run(
     """Train ``recipe`` for its iterations; return (and optionally write) the metrics of each.
 
     In deterministic mode, torch's deterministic-algorithms switch is on for the run and restored after.
+    With ``trainer.fsdp_ranks`` above 1 the run is that many spawned local ranks (gloo, CPU); see
+    :func:`_run_ranks`.
     """
+    if recipe.trainer.fsdp_ranks > 1:
+        return _run_ranks(recipe, out_dir, on_metrics)
     mode = deterministic_mode(recipe.seed) if recipe.deterministic else contextlib.nullcontext()
     with mode:
         return _run(recipe, out_dir, on_metrics)
+
+
+def _run_ranks(
+    recipe: DiffusionRecipe,
+    out_dir: Path | None,
+    on_metrics: Callable[[dict[str, float]], None] | None,
+) -> list[dict[str, float]]:
+    """``trainer.fsdp_ranks`` local rank processes over gloo (127.0.0.1, a free port), each running the
+    whole iteration: every rank samples and scores the same rollout from the same seeded generator
+    through the sharded model, and trains its share of it (:func:`miles_diffusion.fsdp.data_parallel`).
+    Rank 0 writes ``metrics.jsonl``; ``on_metrics`` sees each iteration's metrics after the ranks end."""
+    import tempfile
+
+    import torch.multiprocessing as torch_mp
+
+    from miles_fsdp.ranks import free_port
+
+    with tempfile.TemporaryDirectory(prefix="miles-diffusion-ranks-") as tmp:
+        history_file = Path(tmp) / "history.json"
+        torch_mp.spawn(
+            _rank_main,
+            args=(recipe, free_port(), out_dir, history_file, torch.get_num_threads()),
+            nprocs=recipe.trainer.fsdp_ranks,
+            join=True,
+        )
+        history: list[dict[str, float]] = json.loads(history_file.read_text())
+    if on_metrics is not None:
+        for metrics in history:
+            on_metrics(metrics)
+    return history
+
+
+def _rank_main(
+    rank: int, recipe: DiffusionRecipe, port: int, out_dir: Path | None, history_file: Path, threads: int
+) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    world = recipe.trainer.fsdp_ranks
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mode = deterministic_mode(recipe.seed) if recipe.deterministic else contextlib.nullcontext()
+        with mode:
+            history = _run(recipe, out_dir if rank == 0 else None, None)
+        if rank == 0:
+            history_file.write_text(json.dumps(history))
+    finally:
+        dist.destroy_process_group()
 
 
 def _rollout_metrics(
@@ -158,6 +210,10 @@ def _run(
         check_attention_backends(model)
     reward = load_reward(recipe.reward.name, recipe.reward.options) if recipe.reward else None
     objective = build_objective(recipe.objective, ObjectiveContext(model, recipe.trainer, recipe.sampler))
+    if recipe.trainer.fsdp_ranks > 1:
+        from miles_diffusion.fsdp import data_parallel
+
+        data_parallel(objective, recipe.precision)
     dataset: ImageDataset | None = None
     if isinstance(objective, SupervisedObjective):
         if recipe.dataset is None:

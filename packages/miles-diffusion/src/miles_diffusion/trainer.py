@@ -1,12 +1,17 @@
 """Flow-GRPO trainer: re-scores a chosen subset of recorded denoising steps and updates the model.
 
-Plain torch (one process, an AdamW optimizer); the FSDP2 path through miles-fsdp is not wired yet.
+Plain torch in one process (an AdamW optimizer), or data-parallel over FSDP2 ranks
+(:func:`miles_diffusion.fsdp.data_parallel`): each rank re-scores its share of the trajectories on the
+same seeded subset of steps, its loss divided by the global batch so that the gradients FSDP2 sums
+are the one-process gradient.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +19,9 @@ from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.flow_grpo import FlowGRPOConfig, flow_grpo_step_loss, group_advantages
 from miles_diffusion.objectives import Rollout, TrainerConfig
 from miles_diffusion.sampler import Trajectory, step_distribution, step_log_prob
+
+if TYPE_CHECKING:
+    from miles_diffusion.fsdp import DataParallel
 
 __all__ = ["FlowGRPOTrainer", "TrainerConfig", "choose_steps", "make_optimizer"]
 
@@ -52,6 +60,8 @@ class FlowGRPOTrainer:
         self.reference: DiffusionModel | None = None
         if objective.kl_coef > 0:
             self.reference = copy.deepcopy(model).requires_grad_(False)
+        self.data_parallel: DataParallel | None = None
+        """Set by :func:`miles_diffusion.fsdp.data_parallel`: this rank's share of each batch."""
 
     def _kl_to_reference(
         self, trajectory: Trajectory, step: int, mean: torch.Tensor, std: torch.Tensor
@@ -82,7 +92,22 @@ class FlowGRPOTrainer:
     def train_step(
         self, trajectory: Trajectory, advantages: torch.Tensor, steps: list[int]
     ) -> dict[str, float]:
-        """One Flow-GRPO iteration over ``steps`` of ``trajectory``; returns mean loss statistics."""
+        """One Flow-GRPO iteration over ``steps`` of ``trajectory``; returns mean loss statistics.
+
+        Data-parallel (:attr:`data_parallel` set), every rank gets the whole batch and the same
+        ``steps``, trains its share of the rows and returns the statistics of the whole batch."""
+        share: float | None = None
+        if self.data_parallel is not None:
+            batch = trajectory.latents.shape[0]
+            rows = self.data_parallel.rows(batch)
+            trajectory = replace(
+                trajectory,
+                latents=trajectory.latents[rows],
+                log_probs=trajectory.log_probs[rows],
+                prompts=trajectory.prompts[rows],
+            )
+            advantages = advantages[rows]
+            share = trajectory.latents.shape[0] / batch
         self.model.train()
         totals = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl_old": 0.0, "kl_ref": 0.0}
         grad_norms: list[float] = []
@@ -99,15 +124,24 @@ class FlowGRPOTrainer:
                     self.objective,
                     self._kl_to_reference(trajectory, step, mean, std),
                 )
-                (out.loss / len(group)).backward()
+                # Each loss term is a mean over the rows: weighted by the rank's share of the batch,
+                # the ranks' losses sum to the whole batch's (FSDP2 sums the gradients).
+                loss = out.loss if share is None else out.loss * share
+                (loss / len(group)).backward()
                 totals["loss"] += float(out.loss.detach())
                 totals["clip_fraction"] += float(out.clip_fraction)
                 totals["approx_kl_old"] += float(out.approx_kl_old)
                 totals["kl_ref"] += float(out.kl_ref)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            if hasattr(norm, "full_tensor"):  # a DTensor over the ranks' gradient shards
+                norm = norm.full_tensor()
             grad_norms.append(float(norm))
             self.optimizer.step()
         self.model.eval()
+        if self.data_parallel is not None and share is not None:
+            keys = sorted(totals)
+            summed = self.data_parallel.all_reduce_sum([totals[key] * share for key in keys])
+            totals = dict(zip(keys, summed, strict=True))
         stats = {key: value / len(steps) for key, value in totals.items()}
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return stats

@@ -138,9 +138,19 @@ def load_value_model(path: str, opts: FSDPOptions) -> ValueModel:
     return ValueModel(backbone)
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, opts: FSDPOptions, role: str) -> nn.Module:
-    """FSDP2 over the decoder layers, then the root; gradients are summed across ranks, not averaged."""
-    layers = decoder_layers(model)
+def shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    opts: FSDPOptions,
+    role: str,
+    layers: list[nn.Module] | None = None,
+) -> nn.Module:
+    """FSDP2 over the decoder layers, then the root; gradients are summed across ranks, not averaged.
+
+    ``layers``: the blocks to shard one by one (default: :func:`decoder_layers`, the Hugging Face
+    decoder layers); another model family (e.g. a diffusion denoiser) names its own."""
+    if layers is None:
+        layers = decoder_layers(model)
     if not layers:
         raise ModelError(f"fsdp: found no decoder layers to shard in the {role} ({type(model).__name__})")
     mp = MixedPrecisionPolicy(
