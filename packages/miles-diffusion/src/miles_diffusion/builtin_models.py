@@ -27,3 +27,14 @@ TINY_SD3 = BuiltinModel(
     "the sd3_flow_grpo_proxy recipe's model",
     "miles_diffusion.sd3:build_tiny_sd3",
 )
+
+TINY_WAN = BuiltinModel(
+    "tiny-wan",
+    "diffusion",
+    "WanPipeline",
+    "21.8K",
+    "random-init scaled-down Wan 2.x text-to-video pipeline (diffusers WanTransformer3DModel, 2 layers; "
+    "AutoencoderKLWan, 5 frames of 16x16 RGB to 4x3x4x4 latents; a 1-layer UMT5 encoder with a "
+    "character-level tokenizer); the wan_flow_grpo_proxy recipe's model",
+    "miles_diffusion.wan:build_tiny_wan",
+)

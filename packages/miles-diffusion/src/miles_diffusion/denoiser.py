@@ -2,8 +2,9 @@
 
 Every model family (:mod:`miles_diffusion.families`) loads into a :class:`DiffusionModel`: the
 tiny pixel-space UNet (:class:`miles_diffusion.model.FlowModel`, whose "latents" are the pixels)
-and Stable Diffusion 3 (:class:`miles_diffusion.sd3.SD3FlowModel`, VAE latents and text
-encoders). A prompt is always an integer id; what the id means (an embedding row, a text of the
+Stable Diffusion 3 (:class:`miles_diffusion.sd3.SD3FlowModel`, VAE latents and text
+encoders) and Wan text-to-video (:class:`miles_diffusion.wan.WanFlowModel`, video latents with a
+frame axis). A prompt is always an integer id; what the id means (an embedding row, a text of the
 recipe's ``prompts`` list) is the family's business, behind :meth:`DiffusionModel.encode_prompts`.
 
 Only what trains is registered as a submodule: ``parameters()`` and ``state_dict()`` are the
@@ -56,8 +57,9 @@ class DiffusionModel(nn.Module):
         raise NotImplementedError
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """(channels, height, width) of one latent (the space the sampler works in)."""
+    def latent_shape(self) -> tuple[int, ...]:
+        """(channels, height, width) of one latent (the space the sampler works in); a video family's
+        has a frame axis, (channels, frames, height, width)."""
         raise NotImplementedError
 
     def encode_prompts(self, prompts: torch.Tensor) -> Conditioning:
@@ -66,7 +68,8 @@ class DiffusionModel(nn.Module):
         raise NotImplementedError
 
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """Final latents [B, *latent_shape] to images [B, 3, H, W] in [0, 1] (what rewards score)."""
+        """Final latents [B, *latent_shape] to images [B, 3, H, W] in [0, 1] (what rewards score:
+        one image per trajectory; a video family lays its frames side by side)."""
         raise NotImplementedError
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:

@@ -16,7 +16,13 @@ from torch import nn
 # (SD3's joint image-text attention) is one scaled_dot_product_attention call over the joined
 # sequence: repeatable on CPU (tests/diffusion/test_sd3.py replays a run bit for bit). On CUDA its
 # kernels (flash, memory-efficient) are not checked here: the package runs on the CPU only.
-DETERMINISTIC_ATTENTION_PROCESSORS = frozenset({"AttnProcessor", "AttnProcessor2_0", "JointAttnProcessor2_0"})
+# WanAttnProcessor (Wan's self- and cross-attention) calls diffusers' attention dispatcher, whose
+# default backend is the same scaled_dot_product_attention (tests/diffusion/test_wan.py re-scores
+# its log-probabilities bit for bit); a backend chosen through diffusers' attention-backend setting
+# is not checked here.
+DETERMINISTIC_ATTENTION_PROCESSORS = frozenset(
+    {"AttnProcessor", "AttnProcessor2_0", "JointAttnProcessor2_0", "WanAttnProcessor"}
+)
 
 # transformers attention implementations (a text encoder's ``config._attn_implementation``) that
 # compute with plain torch ops: the eager matmul-softmax path and scaled_dot_product_attention.

@@ -6,7 +6,9 @@ A family recognises its directories by their files (``detect``) and loads one in
 - ``tiny-flow-unet``: a ``config.json`` whose ``architecture`` is ``MilesTinyFlowUNet`` (the
   package's tiny pixel-space UNet, :mod:`miles_diffusion.model`);
 - ``sd3``: a diffusers directory whose ``model_index.json`` names ``StableDiffusion3Pipeline``
-  (SD3 / SD3.5, :mod:`miles_diffusion.sd3`; its recipes give the prompt texts).
+  (SD3 / SD3.5, :mod:`miles_diffusion.sd3`; its recipes give the prompt texts);
+- ``wan``: a diffusers directory whose ``model_index.json`` names ``WanPipeline`` (Wan 2.x
+  text-to-video, :mod:`miles_diffusion.wan`; driver only: the core path refuses it).
 
 Any other directory, a diffusers pipeline of another class included, is refused with one error
 naming what is supported. ``register_family`` adds one (a plug-in registers at import).
@@ -72,6 +74,18 @@ def _detect_sd3(path: Path) -> bool:
     return is_sd3_directory(path)
 
 
+def _load_wan(path: Path, precision: PrecisionConfig | None, prompts: tuple[str, ...]) -> DiffusionModel:
+    from miles_diffusion.wan import load_wan
+
+    return load_wan(path, precision, prompts)
+
+
+def _detect_wan(path: Path) -> bool:
+    from miles_diffusion.wan import is_wan_directory
+
+    return is_wan_directory(path)
+
+
 register_family(
     ModelFamily(
         "tiny-flow-unet",
@@ -87,6 +101,15 @@ register_family(
         "a diffusers directory whose model_index.json names StableDiffusion3Pipeline",
         _detect_sd3,
         _load_sd3,
+        text_prompts=True,
+    )
+)
+register_family(
+    ModelFamily(
+        "wan",
+        "a diffusers directory whose model_index.json names WanPipeline",
+        _detect_wan,
+        _load_wan,
         text_prompts=True,
     )
 )
@@ -140,7 +163,7 @@ def load_model(
     if prompts and not family.text_prompts:
         raise ValueError(
             f"{directory}: the {family.name} family is prompted by id only; the recipe's `prompts:` "
-            "list applies to text families (sd3)"
+            "list applies to text families (sd3, wan)"
         )
     if family.text_prompts and not prompts:
         raise ValueError(
@@ -160,7 +183,11 @@ def load_for_engine(directory: str | Path) -> tuple[ModelFamily, DiffusionModel]
 CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3"})
 """The families the core path (``miles run``: the diffusion engine and backend) serves so far."""
 
-_BUILTIN_ARCHITECTURES = {"MilesTinyFlowUNet": "tiny-flow-unet", "StableDiffusion3Pipeline": "sd3"}
+_BUILTIN_ARCHITECTURES = {
+    "MilesTinyFlowUNet": "tiny-flow-unet",
+    "StableDiffusion3Pipeline": "sd3",
+    "WanPipeline": "wan",
+}
 """The family of a built-in diffusion model, by its declared architecture (judged without building it)."""
 
 

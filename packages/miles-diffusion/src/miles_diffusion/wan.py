@@ -1,0 +1,446 @@
+"""The Wan 2.x text-to-video family: a local diffusers ``WanPipeline`` directory as a
+:class:`~miles_diffusion.denoiser.DiffusionModel` over video latents.
+
+What is loaded (by the directory's ``model_index.json``): ``transformer``
+(``WanTransformer3DModel``, the denoiser: the only part that trains), ``vae`` (``AutoencoderKLWan``:
+final latents are decoded to frames for the rewards), ``text_encoder`` (``UMT5EncoderModel``, or a
+``T5EncoderModel``) with its ``tokenizer``, and ``scheduler`` (``FlowMatchEulerDiscreteScheduler``, or
+``UniPCMultistepScheduler`` with flow sigmas, as Wan's own directories carry: only the sigmas it
+gives for a step count are read). Text encoder and VAE are frozen, in eval mode and kept off the
+module tree: not in ``parameters()`` nor ``state_dict()``. Refused in one line: a second
+transformer (Wan 2.2 A14B's ``transformer_2`` / ``boundary_ratio``: two experts by noise level) and
+``expand_timesteps`` (Wan 2.2 TI2V's per-token timesteps); Wan 2.1 T2V directories load.
+
+Latents are ``[C, F, h, w]``: ``C`` the VAE's ``z_dim``, ``F = (frames - 1) / scale_factor_temporal
++ 1``, ``h, w`` the pixel size over ``scale_factor_spatial``. The video size is WanPipeline's default
+(81 frames of 480x832) unless the directory holds ``miles_video.json`` (``{"num_frames": ...,
+"height": ..., "width": ...}``; diffusers ignores the file), as ``builtin:tiny-wan`` does.
+
+The conditioning is Wan's: the prompt is cleaned (HTML entities unescaped twice, whitespace runs
+collapsed, ends stripped; diffusers also applies ``ftfy`` when that package is installed, which it
+is not here), tokenized with padding to ``WAN_MAX_LENGTH`` (512) tokens and an attention mask, read
+by the text encoder with that mask, and its last hidden states past the prompt's real tokens are
+set to zero. Written from the model's documented inputs; ``tests/diffusion/test_wan.py`` checks it
+bit for bit against diffusers' ``WanPipeline.encode_prompt`` on the proxy. No classifier-free
+guidance: the sampler draws from the conditional velocity alone. Each distinct prompt is encoded
+alone (a batch of one) the first time it is asked for, and kept (the encoder is frozen).
+
+The transformer reads ``t * num_train_timesteps`` (continuous; diffusers' UniPC rounds its
+timesteps to integers, FlowMatchEuler does not).
+
+How a video reaches the image rewards: :meth:`WanFlowModel.to_images` decodes the frames and lays
+them side by side, one filmstrip image ``[B, 3, H, frames * W]`` per video. Every image reward then
+scores a whole video as one image (brightness: the mean over all frames; JPEG compressibility: of
+the frames together), and its ``[B]`` rewards stay one per trajectory.
+
+:func:`build_tiny_wan` writes the scaled-down proxy (random weights, a character-level T5
+tokenizer, a 1-layer UMT5 encoder): ``builtin:tiny-wan``.
+"""
+
+from __future__ import annotations
+
+import copy
+import html
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from miles_diffusion.denoiser import Conditioning, DiffusionModel
+from miles_diffusion.precision import PrecisionConfig, keep_fp32
+from miles_diffusion.sd3 import read_model_index, write_char_t5_tokenizer
+
+PIPELINE_CLASSES = ("WanPipeline",)
+"""``_class_name`` values of ``model_index.json`` this family loads."""
+
+WAN_MAX_LENGTH = 512
+"""Text tokens of the conditioning (WanPipeline's ``max_sequence_length`` default)."""
+
+VIDEO_FILE = "miles_video.json"
+"""Optional file of a Wan directory naming the video size the sampler draws."""
+
+DEFAULT_VIDEO = {"num_frames": 81, "height": 480, "width": 832}
+"""WanPipeline's default video size, used when the directory has no ``VIDEO_FILE``."""
+
+_COMPONENTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "transformer": ("diffusers", ("WanTransformer3DModel",)),
+    "vae": ("diffusers", ("AutoencoderKLWan",)),
+    "scheduler": ("diffusers", ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")),
+    "text_encoder": ("transformers", ("UMT5EncoderModel", "T5EncoderModel")),
+    "tokenizer": ("transformers", ("T5Tokenizer", "T5TokenizerFast", "AutoTokenizer")),
+}
+
+
+@dataclass(frozen=True)
+class WanEncodings:
+    """Wan's conditioning for a batch of prompts: ``sequence`` [B, WAN_MAX_LENGTH, text_dim]."""
+
+    sequence: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.sequence.shape[0])
+
+    def __getitem__(self, index: torch.Tensor | slice) -> WanEncodings:
+        return WanEncodings(self.sequence[index])
+
+    @staticmethod
+    def cat(parts: list[WanEncodings]) -> WanEncodings:
+        return WanEncodings(torch.cat([p.sequence for p in parts]))
+
+
+@dataclass
+class _Frozen:
+    """The parts that never train (kept off the module tree, as SD3's are)."""
+
+    vae: nn.Module
+    tokenizer: Any
+    text_encoder: nn.Module
+
+    def modules(self) -> dict[str, nn.Module]:
+        return {"vae": self.vae, "text_encoder": self.text_encoder}
+
+
+def clean_prompt(text: str) -> str:
+    """Wan's prompt cleaning, without ftfy: HTML entities unescaped twice, whitespace collapsed."""
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class WanFlowModel(DiffusionModel):
+    """Wan's transformer as a rectified-flow velocity model over video latents, prompted by id."""
+
+    def __init__(
+        self,
+        transformer: nn.Module,
+        frozen: _Frozen,
+        prompts: tuple[str, ...],
+        *,
+        scheduler: Any,
+        video: dict[str, int],
+        precision: PrecisionConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self._frozen = frozen  # a plain attribute, not a submodule
+        for module in frozen.modules().values():
+            module.requires_grad_(False).eval()
+        self.prompts = tuple(prompts)
+        self.scheduler = scheduler
+        self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
+        self.video = dict(video)
+        self.precision = precision or PrecisionConfig()
+        self._encoded: dict[str, WanEncodings] = {}
+        self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
+
+    # ------------------------------------------------------------------ DiffusionModel
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        vae: Any = cast(Any, self._frozen.vae).config
+        frames = (self.video["num_frames"] - 1) // int(vae.scale_factor_temporal) + 1
+        spatial = int(vae.scale_factor_spatial)
+        return (int(vae.z_dim), frames, self.video["height"] // spatial, self.video["width"] // spatial)
+
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        return self._frozen.modules()
+
+    def timestep_schedule(self, num_steps: int) -> torch.Tensor:
+        self.scheduler.set_timesteps(num_steps, device="cpu")
+        sigmas = torch.as_tensor(self.scheduler.sigmas)
+        if sigmas.shape != (num_steps + 1,) or float(sigmas[-1]) != 0.0:
+            raise ValueError(
+                f"the scheduler gives sigmas of shape {tuple(sigmas.shape)} ending at {float(sigmas[-1])} "
+                f"for {num_steps} steps; the wan family needs {num_steps + 1} ending at 0"
+            )
+        return sigmas.to(torch.float32).clone()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: torch.Tensor) -> WanEncodings:
+        if prompts.is_floating_point() or prompts.ndim != 1:
+            raise ValueError(
+                f"encode_prompts takes [B] integer prompt ids, got {prompts.dtype} {tuple(prompts.shape)}"
+            )
+        ids = [int(i) for i in prompts.tolist()]
+        bad = sorted({i for i in ids if not 0 <= i < self.num_prompts})
+        if bad:
+            raise ValueError(f"prompt ids {bad} are outside this recipe's prompts 0..{self.num_prompts - 1}")
+        return self.encode_texts([self.prompts[i] for i in ids])
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str]) -> WanEncodings:
+        """The conditioning of ``texts``, each distinct text encoded alone once and kept."""
+        for text in dict.fromkeys(texts):
+            if text not in self._encoded:
+                self._encoded[text] = self._encode_text(text)
+        return WanEncodings.cat([self._encoded[t] for t in texts])
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: Conditioning) -> torch.Tensor:
+        """``x_t``: [B, C, F, h, w]; ``t``: [B] in [0, 1]; ``prompts``: ids [B] or
+        :class:`WanEncodings`. Returns the velocity, [B, C, F, h, w] (FP32)."""
+        if isinstance(prompts, WanEncodings):
+            enc = prompts
+        else:
+            assert isinstance(prompts, torch.Tensor)
+            enc = self.encode_prompts(prompts)
+        if len(enc) != x_t.shape[0]:
+            raise ValueError(f"{len(enc)} prompt encodings for {x_t.shape[0]} latents")
+        timestep = t * float(self.num_train_timesteps)
+        if self.precision.dtype is torch.float32:
+            return self._denoise(x_t, timestep, enc)
+        with torch.autocast(device_type=x_t.device.type, dtype=self.precision.dtype):
+            out = self._denoise(x_t, timestep, enc)
+        return out.float()
+
+    @torch.no_grad()
+    def to_videos(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE-decode final latents (Wan's per-channel latent normalisation undone first) to videos
+        [B, 3, frames, H, W] in [0, 1]."""
+        config: Any = cast(Any, self._frozen.vae).config
+        shape = (1, int(config.z_dim), 1, 1, 1)
+        mean = torch.tensor(config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
+        std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
+        decoded = cast(Any, self._frozen.vae).decode(latents * std + mean, return_dict=False)[0]
+        return ((decoded.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+
+    @torch.no_grad()
+    def to_images(self, latents: torch.Tensor) -> torch.Tensor:
+        """Each video's frames side by side: one filmstrip image [B, 3, H, frames * W] per video
+        (what the image rewards score; see the module docstring)."""
+        video = self.to_videos(latents)
+        b, c, f, h, w = video.shape
+        return video.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w).contiguous()
+
+    # ------------------------------------------------------------------ internals
+
+    def _denoise(self, x_t: torch.Tensor, timestep: torch.Tensor, enc: WanEncodings) -> torch.Tensor:
+        out = self.transformer(
+            hidden_states=x_t, timestep=timestep, encoder_hidden_states=enc.sequence, return_dict=False
+        )[0]
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def _encode_text(self, text: str) -> WanEncodings:
+        """One prompt's conditioning [1, WAN_MAX_LENGTH, D], autocast off (frozen FP32 encoder)."""
+        device = next(self.transformer.parameters()).device
+        tokens = self._frozen.tokenizer(
+            [clean_prompt(text)],
+            padding="max_length",
+            max_length=WAN_MAX_LENGTH,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids = cast(torch.Tensor, tokens.input_ids).to(device)
+        mask = cast(torch.Tensor, tokens.attention_mask).to(device)
+        with torch.autocast(device_type=device.type, enabled=False):
+            states = self._frozen.text_encoder(ids, mask).last_hidden_state
+        length = int(mask[0].gt(0).sum())
+        keep = (torch.arange(WAN_MAX_LENGTH, device=device) < length).to(states.dtype)
+        return WanEncodings(states * keep[None, :, None])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WanFlowModel:
+        """A copy of the trainable transformer (a KL reference) sharing the frozen parts."""
+        memo[id(self._frozen)] = self._frozen
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = copy.deepcopy(value, memo)
+        return clone
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> WanFlowModel:
+        """``.to(device)`` and friends move the frozen parts too (they are not submodules)."""
+        super()._apply(fn, recurse)
+        for module in self._frozen.modules().values():
+            module._apply(fn)
+        self._encoded.clear()
+        return self
+
+
+# ----------------------------------------------------------------------------- the directory
+
+
+def is_wan_directory(directory: Path) -> bool:
+    if not (directory / "model_index.json").is_file():
+        return False
+    return read_model_index(directory).get("_class_name") in PIPELINE_CLASSES
+
+
+def _check_index(index: dict[str, Any], directory: Path) -> None:
+    for name, (library, classes) in _COMPONENTS.items():
+        entry = index.get(name)
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[1] in classes):
+            raise ValueError(
+                f"{directory}: model_index.json names {entry!r} for {name!r}; the wan family loads "
+                f"{' or '.join(classes)} ({library})"
+            )
+    second = index.get("transformer_2")
+    if (second is not None and second != [None, None]) or index.get("boundary_ratio") is not None:
+        raise ValueError(
+            f"{directory}: a two-expert Wan 2.2 directory (transformer_2 / boundary_ratio); the wan family "
+            "trains one transformer"
+        )
+    if index.get("expand_timesteps"):
+        raise ValueError(
+            f"{directory}: expand_timesteps (Wan 2.2 TI2V's per-token timesteps) is not supported by the "
+            "wan family"
+        )
+
+
+def _read_video(directory: Path) -> dict[str, int]:
+    path = directory / VIDEO_FILE
+    if not path.is_file():
+        return dict(DEFAULT_VIDEO)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        video = {key: int(data[key]) for key in DEFAULT_VIDEO}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: needs integer num_frames, height, width ({exc})") from None
+    if min(video.values()) <= 0:
+        raise ValueError(f"{path}: num_frames, height and width must be positive")
+    return video
+
+
+def load_wan(
+    directory: str | Path, precision: PrecisionConfig | None = None, prompts: tuple[str, ...] = ()
+) -> WanFlowModel:
+    """Load a Wan 2.x text-to-video diffusers directory in FP32 (master weights), in eval mode."""
+    import diffusers
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import AutoTokenizer, T5EncoderModel, UMT5EncoderModel
+
+    root = Path(directory)
+    index = read_model_index(root)
+    _check_index(index, root)
+    scheduler_class = getattr(diffusers, index["scheduler"][1])
+    scheduler = scheduler_class.from_pretrained(str(root), subfolder="scheduler")
+    if scheduler.config.get("use_dynamic_shifting", False):
+        raise ValueError(
+            f"{root}: the scheduler uses dynamic shifting; the wan family samples with a fixed shift"
+        )
+    if index["scheduler"][1] == "UniPCMultistepScheduler" and not scheduler.config.get("use_flow_sigmas"):
+        raise ValueError(
+            f"{root}: a UniPCMultistepScheduler without use_flow_sigmas is not a flow-matching one"
+        )
+    encoder_class = UMT5EncoderModel if index["text_encoder"][1] == "UMT5EncoderModel" else T5EncoderModel
+    video = _read_video(root)
+    with torch.random.fork_rng(devices=[]):  # loading must not move the caller's RNG
+        transformer = WanTransformer3DModel.from_pretrained(
+            str(root), subfolder="transformer", dtype=torch.float32
+        )
+        vae = AutoencoderKLWan.from_pretrained(str(root), subfolder="vae", dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+        encoder = encoder_class.from_pretrained(str(root / "text_encoder"), dtype=torch.float32)
+    model = WanFlowModel(
+        cast(nn.Module, transformer),
+        _Frozen(cast(nn.Module, vae), tokenizer, cast(nn.Module, encoder)),
+        tuple(prompts),
+        scheduler=scheduler,
+        video=video,
+        precision=precision,
+    )
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- the proxy
+
+
+@dataclass(frozen=True)
+class TinyWanConfig:
+    """The scaled-down Wan proxy: Wan's architecture and conditioning at toy widths.
+
+    5 frames of 16x16 RGB; an AutoencoderKLWan of base width 8, 3 stages (4x spatial, 2x temporal
+    compression: latents [4, 3, 4, 4]); a 2-layer WanTransformer3DModel, patch (1, 2, 2) (12 video
+    tokens), 2 heads of 12; a 1-layer UMT5 encoder of width 32 over a character-level tokenizer."""
+
+    num_frames: int = 5
+    size: int = 16
+    z_dim: int = 4
+    vae_base_dim: int = 8
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 12
+    text_dim: int = 32
+    text_layers: int = 1
+    shift: float = 3.0
+
+
+def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -> None:
+    """Builder of the built-in ``tiny-wan``: the proxy as a diffusers ``WanPipeline`` directory,
+    random weights from ``seed`` (the caller's RNG is left as it was)."""
+    import diffusers
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    c = config or TinyWanConfig()
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_char_t5_tokenizer(dest / "tokenizer")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(
+            base_dim=c.vae_base_dim,
+            z_dim=c.z_dim,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.0] * c.z_dim,
+            latents_std=[1.0] * c.z_dim,
+            scale_factor_temporal=2,
+            scale_factor_spatial=4,
+        )
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=c.num_attention_heads,
+            attention_head_dim=c.attention_head_dim,
+            in_channels=c.z_dim,
+            out_channels=c.z_dim,
+            text_dim=c.text_dim,
+            freq_dim=16,
+            ffn_dim=2 * c.num_attention_heads * c.attention_head_dim,
+            num_layers=c.num_layers,
+            rope_max_seq_len=32,
+        )
+        encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer),
+                d_model=c.text_dim,
+                d_kv=8,
+                d_ff=2 * c.text_dim,
+                num_layers=c.text_layers,
+                num_heads=2,
+                pad_token_id=int(tokenizer.pad_token_id),
+                eos_token_id=int(tokenizer.eos_token_id),
+            )
+        )
+    cast(Any, transformer).save_pretrained(str(dest / "transformer"))
+    cast(Any, vae).save_pretrained(str(dest / "vae"))
+    encoder.save_pretrained(str(dest / "text_encoder"))
+    scheduler: Any = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
+    scheduler.save_pretrained(str(dest / "scheduler"))
+    index = {
+        "_class_name": PIPELINE_CLASSES[0],
+        "_diffusers_version": diffusers.__version__,
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "boundary_ratio": None,
+        "expand_timesteps": False,
+    }
+    (dest / "model_index.json").write_text(
+        json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
+    video = {"num_frames": c.num_frames, "height": c.size, "width": c.size}
+    (dest / VIDEO_FILE).write_text(json.dumps(video, indent=2, sort_keys=True) + "\n", encoding="utf-8")
