@@ -1,8 +1,8 @@
 """The Wan 2.x text-to-video family on its scaled-down proxy (builtin:tiny-wan): the directory picks
 its family, the conditioning is Wan's (checked against diffusers' own WanPipeline), the sampler's
 log-probabilities over [C, F, h, w] video latents are the trainer's re-scoring bit for bit, only the
-transformer trains, the driver runs the proxy recipe, and the core path refuses the family in one
-line naming the driver."""
+transformer trains, the driver runs the proxy recipe, and the core path accepts the family
+(test_core_wan.py runs it through miles run)."""
 
 from __future__ import annotations
 
@@ -149,14 +149,13 @@ def test_one_driver_iteration_of_each_recipe_prints_its_level(
     assert {"reward/mean", "train/loss", "eval/reward_before", "eval/reward_after"} <= set(json.loads(line))
 
 
-def test_the_core_path_refuses_wan_naming_the_driver(proxy_dir: Path) -> None:
+def test_the_core_path_accepts_wan(proxy_dir: Path) -> None:
+    """``miles run`` serves the wan family (tests/diffusion/test_core_wan.py runs it): the core's
+    checks and the component checks pass on the built-in and on its directory (nothing starts)."""
     from miles.config import load_recipe
     from miles.driver.preflight import close_components, preflight
-    from miles.errors import ConfigError
 
     for ref in ("builtin:tiny-wan", str(proxy_dir)):
-        with pytest.raises(
-            ConfigError, match=r"a wan model; the core path .* python -m miles_diffusion.train"
-        ) as err:
-            close_components(preflight(load_recipe("tiny_flow_grpo", [f"model.path={ref}"])).components)
-        assert "\n" not in str(err.value)
+        checked = preflight(load_recipe("wan_flow_grpo_proxy", [f"model.path={ref}"]))
+        close_components(checked.components)
+        assert checked.model_path == str(proxy_dir.resolve())

@@ -12,7 +12,9 @@ An SD3 / SD3.5 model (a diffusers pipeline directory, :mod:`miles_diffusion.sd3`
 transformer only: the prompt texts are ``rollout.options.prompts`` (prompt id ``i`` is ``prompts[i]``,
 the same table the rollout sends the engine), weight updates and checkpoints carry the transformer
 alone (``<checkpoint>/transformer``), and the export is a whole pipeline directory (the base's frozen
-components beside the trained transformer) that diffusers' ``StableDiffusion3Pipeline`` loads.
+components beside the trained transformer) that diffusers' ``StableDiffusion3Pipeline`` loads. A
+Wan 2.x text-to-video model (:mod:`miles_diffusion.wan`, ``[C, F, h, w]`` video latents) trains the
+same way: its transformer alone, and its export is a whole directory ``WanPipeline`` loads.
 
 With a ``lora`` section (the core's: rank, alpha, dropout, target_modules) the backend trains a peft
 LoRA adapter on the denoiser instead (:mod:`miles_diffusion.lora`): the base is frozen, AdamW holds
@@ -72,11 +74,14 @@ from miles_diffusion.sd3 import (
     save_transformer,
 )
 from miles_diffusion.supervised import SupervisedTraining, held_out_images
+from miles_diffusion.wan import WanFlowModel
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 WHO = "backend 'diffusion'"
+PIPELINE_MODELS = (SD3FlowModel, WanFlowModel)
+"""Pipeline families whose transformer alone trains, is checkpointed and returns to the engine."""
 
 
 class DiffusionBackend:
@@ -127,7 +132,9 @@ class DiffusionBackend:
         if section.deterministic:
             self._stack.enter_context(deterministic_mode(spec.seed))
         try:
-            check_core_path(spec.model_path)  # the families the engine and backend serve (tiny UNet, sd3)
+            check_core_path(
+                spec.model_path
+            )  # the families the engine and backend serve (tiny UNet, sd3, wan)
         except ValueError as exc:
             raise ConfigError(f"{WHO}: {exc}") from None
         try:
@@ -268,7 +275,7 @@ class DiffusionBackend:
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, os.path.join(directory, ADAPTER_DIR))
             state["lora_base_digest"] = self._base_digest
-        elif isinstance(model, SD3FlowModel):  # the transformer alone: the frozen parts are the base's
+        elif isinstance(model, PIPELINE_MODELS):  # the transformer alone: the frozen parts are the base's
             save_transformer(model, directory)
         else:
             assert isinstance(model, FlowModel)
@@ -293,10 +300,10 @@ class DiffusionBackend:
         """The checkpoint's weights, refused whole if it is of the other kind (LoRA / full) or, for an
         adapter, of another base (the adapter's delta means nothing on other weights)."""
         has_adapter = os.path.isdir(os.path.join(directory, ADAPTER_DIR))
-        if isinstance(model, SD3FlowModel):
+        if isinstance(model, PIPELINE_MODELS):
             if not os.path.isdir(os.path.join(directory, TRANSFORMER_DIR)):
                 raise ConfigError(
-                    f"{WHO}: {directory} holds no {TRANSFORMER_DIR}/; it is not an SD3 checkpoint"
+                    f"{WHO}: {directory} holds no {TRANSFORMER_DIR}/; it is not a pipeline model's checkpoint"
                 )
             try:
                 load_transformer(model, directory)
@@ -336,7 +343,7 @@ class DiffusionBackend:
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, directory)
             return
-        if isinstance(model, SD3FlowModel):  # a whole pipeline: the base's frozen parts, this transformer
+        if isinstance(model, PIPELINE_MODELS):  # a whole pipeline: the base's frozen parts, this transformer
             export_pipeline(model, self._model_path, directory)
             return
         assert isinstance(model, FlowModel)

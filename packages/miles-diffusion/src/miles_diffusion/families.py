@@ -8,7 +8,7 @@ A family recognises its directories by their files (``detect``) and loads one in
 - ``sd3``: a diffusers directory whose ``model_index.json`` names ``StableDiffusion3Pipeline``
   (SD3 / SD3.5, :mod:`miles_diffusion.sd3`; its recipes give the prompt texts);
 - ``wan``: a diffusers directory whose ``model_index.json`` names ``WanPipeline`` (Wan 2.x
-  text-to-video, :mod:`miles_diffusion.wan`; driver only: the core path refuses it).
+  text-to-video, :mod:`miles_diffusion.wan`; the driver and the core path both serve it).
 
 Any other directory, a diffusers pipeline of another class included, is refused with one error
 naming what is supported. ``register_family`` adds one (a plug-in registers at import).
@@ -180,7 +180,7 @@ def load_for_engine(directory: str | Path) -> tuple[ModelFamily, DiffusionModel]
     return family, family.load(Path(directory).expanduser(), None, ())
 
 
-CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3"})
+CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3", "wan"})
 """The families the core path (``miles run``: the diffusion engine and backend) serves so far."""
 
 _BUILTIN_ARCHITECTURES = {

@@ -18,7 +18,8 @@ from miles_diffusion.sampler import SamplerConfig, Trajectory
 
 @dataclass(frozen=True)
 class TrajectoryPayload:
-    """One sample's trajectory: ``latents`` [S + 1, C, H, W] (noise first, image last), ``log_probs``
+    """One sample's trajectory: ``latents`` [S + 1, C, H, W] (noise first, image last; a video
+    family's [S + 1, C, F, h, w]), ``log_probs``
     [S], ``timesteps`` [S + 1] from 1 to 0."""
 
     latents: torch.Tensor
@@ -30,7 +31,8 @@ class TrajectoryPayload:
     weight_version: int
     decoded: torch.Tensor | None = None
     """[C, H, W] in [0, 1]: the engine's decoding of the final latents, for a model whose latents are
-    not pixels (SD3: the VAE runs in the engine); None for a pixel-space model."""
+    not pixels (SD3, Wan: the VAE runs in the engine; a Wan video's frames side by side, [3, H,
+    frames * W]); None for a pixel-space model."""
 
     @property
     def image(self) -> torch.Tensor:

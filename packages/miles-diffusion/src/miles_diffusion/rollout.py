@@ -208,8 +208,8 @@ def _attach(samples: list[Sample], batch: TrajectoryBatch, served_at_start: int 
         sample.payload = payload
         sample.status = Status.COMPLETED
         sample.finish_reason = "stop"
-        c, h, w = payload.latents.shape[1:]
-        sample.response_text = f"<image {c}x{h}x{w}, prompt id {pid}, seed {payload.seed}>"
+        shape = "x".join(str(n) for n in payload.latents.shape[1:])  # [C, H, W] or a video's [C, F, h, w]
+        sample.response_text = f"<image {shape}, prompt id {pid}, seed {payload.seed}>"
         sample.metadata.update(seed=payload.seed, weight_version=version)
 
 

@@ -278,11 +278,12 @@ _WEIGHTS = "diffusion_pytorch_model.safetensors"
 _WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
 
-def save_transformer(model: SD3FlowModel, directory: str | Path) -> Path:
+def save_transformer(model: DiffusionModel, directory: str | Path) -> Path:
     """The trainable part alone (``directory/transformer``: diffusers' ``save_pretrained``): a
-    checkpoint's weights. The frozen text encoders and VAE are the base directory's, never copied."""
+    checkpoint's weights. The frozen text encoders and VAE are the base directory's, never copied.
+    Any pipeline family whose model trains a diffusers ``transformer`` alone (sd3, wan)."""
     dest = Path(directory) / TRANSFORMER_DIR
-    cast(Any, model.transformer).save_pretrained(str(dest), safe_serialization=True)
+    cast(Any, model).transformer.save_pretrained(str(dest), safe_serialization=True)
     return dest
 
 
@@ -308,13 +309,13 @@ def read_transformer_state(directory: str | Path) -> dict[str, torch.Tensor]:
     return {f"{TRANSFORMER_DIR}.{name}": t for name, t in state.items()}
 
 
-def load_transformer(model: SD3FlowModel, directory: str | Path) -> None:
+def load_transformer(model: DiffusionModel, directory: str | Path) -> None:
     """Load ``directory/transformer``'s weights into ``model`` (every tensor must be there)."""
     model.load_state_dict(read_transformer_state(directory), strict=True)
 
 
-def export_pipeline(model: SD3FlowModel, base: str | Path, dest: str | Path) -> Path:
-    """A whole ``StableDiffusion3Pipeline`` directory: copies of every component of ``base`` but the
+def export_pipeline(model: DiffusionModel, base: str | Path, dest: str | Path) -> Path:
+    """A whole pipeline directory of ``base``'s class (``StableDiffusion3Pipeline``, ``WanPipeline``): copies of every component of ``base`` but the
     transformer, and the trained transformer. Copies, not links: a later in-place write to the export
     (diffusers' ``save_pretrained`` truncates files it rewrites) must never reach the base."""
     import shutil

@@ -68,8 +68,8 @@ class TrajectoryBatch:
     sampler: SamplerConfig
     weight_version: int
     images: torch.Tensor | None = None
-    """[B, 3, H, W] in [0, 1]: the final latents decoded by the model's own decoder (a VAE), sent by
-    an engine whose latents are not pixels (the client has no decoder); None for pixel-space models."""
+    """[B, 3, H, W] in [0, 1]: the final latents decoded by the model's own decoder (a VAE; a video
+    model's frames side by side, W = frames * width), sent by an engine whose latents are not pixels (the client has no decoder); None for pixel-space models."""
 
 
 @dataclass(frozen=True)

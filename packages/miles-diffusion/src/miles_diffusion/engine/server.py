@@ -4,7 +4,7 @@ Endpoints (JSON bodies; errors are HTTP 400 with ``{"success": false, "message":
 
 - ``POST /generate_trajectories`` ``{prompts: [id], seeds: [int], num_steps, noise_level,
   microgroup_size?, stream?, texts?}``: one stochastic (SDE) trajectory per prompt, trajectory ``i`` drawn
-  from ``seeds[i]`` alone. A text-prompted model (SD3) needs ``texts`` (trajectory ``i``'s prompt
+  from ``seeds[i]`` alone. A text-prompted model (SD3, Wan) needs ``texts`` (trajectory ``i``'s prompt
   text; one text per id within a request) and its answer carries the final latents decoded by the
   model's VAE (``images``), since the client has no decoder; the tiny UNet takes bare ids. The prompts are encoded once per request; the trajectories are sampled
   in microgroups of ``microgroup_size`` (default: all at once), one after another, each reusing
@@ -59,6 +59,7 @@ from miles_diffusion.lora import split_name
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, read_model_config
 from miles_diffusion.sampler import SamplerConfig, Trajectory, sample_seeded
 from miles_diffusion.sd3 import SD3FlowModel
+from miles_diffusion.wan import WanFlowModel
 from miles_diffusion.wire import (
     MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
@@ -95,7 +96,7 @@ class GenerateBody(_Body):
     )
     stream: bool = Field(False, description="send each microgroup as a length-prefixed frame once sampled")
     texts: list[str] | None = Field(
-        None, min_length=1, description="each trajectory's prompt text (text-prompted models: SD3)"
+        None, min_length=1, description="each trajectory's prompt text (text-prompted models: SD3, Wan)"
     )
 
 
@@ -246,7 +247,7 @@ class DiffusionEngine:
             encoded: Conditioning
             if body.texts is not None:  # a text-prompted model: the request's texts, by id
                 text_of = dict(zip(body.prompts, body.texts, strict=True))
-                assert isinstance(self.model, SD3FlowModel)
+                assert isinstance(self.model, (SD3FlowModel, WanFlowModel))
                 encoded = self.model.encode_texts([text_of[int(i)] for i in distinct.tolist()])[inverse]
             else:
                 encoded = self.model.encode_prompts(distinct)[inverse]
