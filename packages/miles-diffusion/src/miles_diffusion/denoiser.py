@@ -17,6 +17,7 @@ these types, without diffusers).
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from typing import Protocol
 
 import torch
@@ -41,36 +42,41 @@ def linear_schedule(num_steps: int) -> torch.Tensor:
     return torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
 
 
-class DiffusionModel(nn.Module):
+class DiffusionModel(nn.Module, metaclass=ABCMeta):
     """Velocity ``v(x_t, t, prompt)`` of rectified flow, ``x_t = (1 - t) x_0 + t noise``.
 
     Subclasses implement ``forward(x_t [B, *latent_shape], t [B] in [0, 1], prompts) -> v`` (the
-    prompts as ids or as :meth:`encode_prompts` output) and the members below."""
+    prompts as ids or as :meth:`encode_prompts` output) and the abstract members below (a family
+    that misses one cannot be instantiated)."""
 
     latents_are_pixels: bool = False
     """Whether :meth:`to_images` is a fixed map of the latents any client can apply (pixel space) or
     needs the model's own decoder (a VAE): an engine then sends the decoded images beside them."""
 
     @property
+    @abstractmethod
     def num_prompts(self) -> int:
         """Prompt ids run over ``0 .. num_prompts - 1``."""
-        raise NotImplementedError
+        ...
 
     @property
+    @abstractmethod
     def latent_shape(self) -> tuple[int, ...]:
         """(channels, height, width) of one latent (the space the sampler works in); a video family's
         has a frame axis, (channels, frames, height, width)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def encode_prompts(self, prompts: torch.Tensor) -> Conditioning:
         """The conditioning the denoiser reads for ``prompts`` ([B] int ids); computed once per
         request by an engine and handed to ``forward`` in place of the ids at every step."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """Final latents [B, *latent_shape] to images [B, 3, H, W] in [0, 1] (what rewards score:
         one image per trajectory; a video family lays its frames side by side)."""
-        raise NotImplementedError
+        ...
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         """The ``num_steps + 1`` times the sampler visits, from 1 to 0 (default: evenly spaced)."""
