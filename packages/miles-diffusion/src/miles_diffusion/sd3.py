@@ -36,9 +36,8 @@ no T5) as such a directory: ``builtin:tiny-sd3``.
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -46,8 +45,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from miles_diffusion.denoiser import Conditioning, DiffusionModel
-from miles_diffusion.precision import PrecisionConfig, keep_fp32
+from miles_diffusion.denoiser import DiffusionModel
+from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.precision import PrecisionConfig
 
 PIPELINE_CLASSES = ("StableDiffusion3Pipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -108,92 +108,22 @@ class _Frozen:
         return named
 
 
-class SD3FlowModel(DiffusionModel):
+class SD3FlowModel(PipelineFlowModel):
     """SD3's transformer as a rectified-flow velocity model over VAE latents, prompted by id."""
 
-    def __init__(
-        self,
-        transformer: nn.Module,
-        frozen: _Frozen,
-        prompts: tuple[str, ...],
-        *,
-        scheduler: Any,
-        precision: PrecisionConfig | None = None,
-    ) -> None:
-        super().__init__()
-        # An engine loads the model without a prompt list: its requests bring the texts
-        # (encode_texts); a trainer gets the recipe's list (families.load_model requires one).
-        self.transformer = transformer
-        self._frozen = frozen  # a plain attribute, not a submodule: see the module docstring
-        for module in frozen.modules().values():
-            module.requires_grad_(False).eval()
-        self.prompts = tuple(prompts)
-        self.scheduler = scheduler
-        """The directory's FlowMatchEulerDiscreteScheduler: only its sigmas are read."""
-        self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
-        self.precision = precision or PrecisionConfig()
-        self._encoded: dict[str, SD3Encodings] = {}
-        self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
-        """Modules (names under ``transformer.``) computed in FP32 under a BF16/FP16 ``precision``."""
-
-    # ------------------------------------------------------------------ DiffusionModel
-
-    @property
-    def num_prompts(self) -> int:
-        return len(self.prompts)
+    encodings_type = SD3Encodings
+    _frozen: _Frozen
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         config = self._transformer_config
         return (int(config.in_channels), int(config.sample_size), int(config.sample_size))
 
-    def frozen_modules(self) -> dict[str, nn.Module]:
-        return self._frozen.modules()
-
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         self.scheduler.set_timesteps(num_steps, device="cpu")
         sigmas = self.scheduler.sigmas
         assert isinstance(sigmas, torch.Tensor) and sigmas.shape == (num_steps + 1,)
         return sigmas.to(torch.float32).clone()
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: torch.Tensor) -> SD3Encodings:
-        if prompts.is_floating_point() or prompts.ndim != 1:
-            raise ValueError(
-                f"encode_prompts takes [B] integer prompt ids, got {prompts.dtype} {tuple(prompts.shape)}"
-            )
-        ids = [int(i) for i in prompts.tolist()]
-        bad = sorted({i for i in ids if not 0 <= i < self.num_prompts})
-        if bad:
-            raise ValueError(f"prompt ids {bad} are outside this recipe's prompts 0..{self.num_prompts - 1}")
-        return self.encode_texts([self.prompts[i] for i in ids])
-
-    @torch.no_grad()
-    def encode_texts(self, texts: Sequence[str]) -> SD3Encodings:
-        """The conditioning of ``texts``, each distinct text encoded alone (a batch of one) the first
-        time it is asked for and kept: the engine's form (its requests bring the texts), equal bit
-        for bit to :meth:`encode_prompts` of the same texts by id."""
-        for text in dict.fromkeys(texts):
-            if text not in self._encoded:
-                self._encoded[text] = self._encode_text(text)
-        return SD3Encodings.cat([self._encoded[t] for t in texts])
-
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: Conditioning) -> torch.Tensor:
-        """``x_t``: [B, C, h, w] latents; ``t``: [B] in [0, 1]; ``prompts``: ids [B] or
-        :class:`SD3Encodings`. Returns the velocity, [B, C, h, w] (FP32)."""
-        if isinstance(prompts, SD3Encodings):
-            enc = prompts
-        else:
-            assert isinstance(prompts, torch.Tensor)
-            enc = self.encode_prompts(prompts)
-        if len(enc) != x_t.shape[0]:
-            raise ValueError(f"{len(enc)} prompt encodings for {x_t.shape[0]} latents")
-        timestep = t * float(self.num_train_timesteps)
-        if self.precision.dtype is torch.float32:
-            return self._denoise(x_t, timestep, enc)
-        with torch.autocast(device_type=x_t.device.type, dtype=self.precision.dtype):
-            out = self._denoise(x_t, timestep, enc)
-        return out.float()
 
     @torch.no_grad()
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
@@ -245,24 +175,6 @@ class SD3FlowModel(DiffusionModel):
             else:
                 t5 = torch.zeros((1, T5_MAX_LENGTH, width), dtype=clip.dtype, device=device)
             return SD3Encodings(torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> SD3FlowModel:
-        """A copy of the trainable transformer (a frozen reference model for a KL term) that shares
-        the frozen text encoders and VAE instead of copying them."""
-        memo[id(self._frozen)] = self._frozen
-        clone = self.__class__.__new__(self.__class__)
-        memo[id(self)] = clone
-        for key, value in self.__dict__.items():
-            clone.__dict__[key] = copy.deepcopy(value, memo)
-        return clone
-
-    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> SD3FlowModel:
-        """``.to(device)`` and friends move the frozen parts too (they are not submodules)."""
-        super()._apply(fn, recurse)
-        for module in self._frozen.modules().values():
-            module._apply(fn)
-        self._encoded.clear()
-        return self
 
 
 def _token_ids(tokenizer: Any, text: str, length: int, device: torch.device) -> torch.Tensor:

@@ -39,11 +39,9 @@ tokenizer, a 1-layer UMT5 encoder): ``builtin:tiny-wan``.
 
 from __future__ import annotations
 
-import copy
 import html
 import json
 import re
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -51,8 +49,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from miles_diffusion.denoiser import Conditioning, DiffusionModel
-from miles_diffusion.precision import PrecisionConfig, keep_fp32
+from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.sd3 import read_model_index, write_char_t5_tokenizer
 
 PIPELINE_CLASSES = ("WanPipeline",)
@@ -111,8 +109,11 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-class WanFlowModel(DiffusionModel):
+class WanFlowModel(PipelineFlowModel):
     """Wan's transformer as a rectified-flow velocity model over video latents, prompted by id."""
+
+    encodings_type = WanEncodings
+    _frozen: _Frozen
 
     def __init__(
         self,
@@ -124,24 +125,8 @@ class WanFlowModel(DiffusionModel):
         video: dict[str, int],
         precision: PrecisionConfig | None = None,
     ) -> None:
-        super().__init__()
-        self.transformer = transformer
-        self._frozen = frozen  # a plain attribute, not a submodule
-        for module in frozen.modules().values():
-            module.requires_grad_(False).eval()
-        self.prompts = tuple(prompts)
-        self.scheduler = scheduler
-        self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
+        super().__init__(transformer, frozen, prompts, scheduler=scheduler, precision=precision)
         self.video = dict(video)
-        self.precision = precision or PrecisionConfig()
-        self._encoded: dict[str, WanEncodings] = {}
-        self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
-
-    # ------------------------------------------------------------------ DiffusionModel
-
-    @property
-    def num_prompts(self) -> int:
-        return len(self.prompts)
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -149,9 +134,6 @@ class WanFlowModel(DiffusionModel):
         frames = (self.video["num_frames"] - 1) // int(vae.scale_factor_temporal) + 1
         spatial = int(vae.scale_factor_spatial)
         return (int(vae.z_dim), frames, self.video["height"] // spatial, self.video["width"] // spatial)
-
-    def frozen_modules(self) -> dict[str, nn.Module]:
-        return self._frozen.modules()
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         self.scheduler.set_timesteps(num_steps, device="cpu")
@@ -162,43 +144,6 @@ class WanFlowModel(DiffusionModel):
                 f"for {num_steps} steps; the wan family needs {num_steps + 1} ending at 0"
             )
         return sigmas.to(torch.float32).clone()
-
-    @torch.no_grad()
-    def encode_prompts(self, prompts: torch.Tensor) -> WanEncodings:
-        if prompts.is_floating_point() or prompts.ndim != 1:
-            raise ValueError(
-                f"encode_prompts takes [B] integer prompt ids, got {prompts.dtype} {tuple(prompts.shape)}"
-            )
-        ids = [int(i) for i in prompts.tolist()]
-        bad = sorted({i for i in ids if not 0 <= i < self.num_prompts})
-        if bad:
-            raise ValueError(f"prompt ids {bad} are outside this recipe's prompts 0..{self.num_prompts - 1}")
-        return self.encode_texts([self.prompts[i] for i in ids])
-
-    @torch.no_grad()
-    def encode_texts(self, texts: Sequence[str]) -> WanEncodings:
-        """The conditioning of ``texts``, each distinct text encoded alone once and kept."""
-        for text in dict.fromkeys(texts):
-            if text not in self._encoded:
-                self._encoded[text] = self._encode_text(text)
-        return WanEncodings.cat([self._encoded[t] for t in texts])
-
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: Conditioning) -> torch.Tensor:
-        """``x_t``: [B, C, F, h, w]; ``t``: [B] in [0, 1]; ``prompts``: ids [B] or
-        :class:`WanEncodings`. Returns the velocity, [B, C, F, h, w] (FP32)."""
-        if isinstance(prompts, WanEncodings):
-            enc = prompts
-        else:
-            assert isinstance(prompts, torch.Tensor)
-            enc = self.encode_prompts(prompts)
-        if len(enc) != x_t.shape[0]:
-            raise ValueError(f"{len(enc)} prompt encodings for {x_t.shape[0]} latents")
-        timestep = t * float(self.num_train_timesteps)
-        if self.precision.dtype is torch.float32:
-            return self._denoise(x_t, timestep, enc)
-        with torch.autocast(device_type=x_t.device.type, dtype=self.precision.dtype):
-            out = self._denoise(x_t, timestep, enc)
-        return out.float()
 
     @torch.no_grad()
     def to_videos(self, latents: torch.Tensor) -> torch.Tensor:
@@ -247,23 +192,6 @@ class WanFlowModel(DiffusionModel):
         length = int(mask[0].gt(0).sum())
         keep = (torch.arange(WAN_MAX_LENGTH, device=device) < length).to(states.dtype)
         return WanEncodings(states * keep[None, :, None])
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> WanFlowModel:
-        """A copy of the trainable transformer (a KL reference) sharing the frozen parts."""
-        memo[id(self._frozen)] = self._frozen
-        clone = self.__class__.__new__(self.__class__)
-        memo[id(self)] = clone
-        for key, value in self.__dict__.items():
-            clone.__dict__[key] = copy.deepcopy(value, memo)
-        return clone
-
-    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> WanFlowModel:
-        """``.to(device)`` and friends move the frozen parts too (they are not submodules)."""
-        super()._apply(fn, recurse)
-        for module in self._frozen.modules().values():
-            module._apply(fn)
-        self._encoded.clear()
-        return self
 
 
 # ----------------------------------------------------------------------------- the directory

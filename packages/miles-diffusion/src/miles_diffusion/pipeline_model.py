@@ -1,0 +1,128 @@
+"""What the diffusers-pipeline families (SD3, Wan) share: a trainable ``transformer`` prompted by
+text, frozen text encoders and VAE kept off the module tree, each prompt encoded alone once and
+kept, and a forward under the recipe's precision. A family gives its encodings type, how one text
+is encoded (``_encode_text``) and how its transformer is called (``_denoise``)."""
+
+from __future__ import annotations
+
+import copy
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from miles_diffusion.denoiser import Conditioning, DiffusionModel
+from miles_diffusion.precision import PrecisionConfig, keep_fp32
+
+
+class FrozenParts(Protocol):
+    """The parts that never train, kept off the module tree on purpose: not in the optimizer, the
+    weight updates or the checkpoints, never sharded."""
+
+    def modules(self) -> dict[str, nn.Module]: ...
+
+
+class PipelineFlowModel(DiffusionModel):
+    """A pipeline family's transformer as a rectified-flow velocity model, prompted by id or text."""
+
+    encodings_type: ClassVar[Any]
+    """The family's encodings: a frozen dataclass with ``__len__``, ``__getitem__`` and ``cat``."""
+
+    def __init__(
+        self,
+        transformer: nn.Module,
+        frozen: FrozenParts,
+        prompts: tuple[str, ...],
+        *,
+        scheduler: Any,
+        precision: PrecisionConfig | None = None,
+    ) -> None:
+        super().__init__()
+        # An engine loads the model without a prompt list: its requests bring the texts
+        # (encode_texts); a trainer gets the recipe's list (families.load_model requires one).
+        self.transformer = transformer
+        self._frozen = frozen  # a plain attribute, not a submodule: see FrozenParts
+        for module in frozen.modules().values():
+            module.requires_grad_(False).eval()
+        self.prompts = tuple(prompts)
+        self.scheduler = scheduler
+        """The directory's scheduler: only its sigmas are read."""
+        self.num_train_timesteps = int(scheduler.config.num_train_timesteps)
+        self.precision = precision or PrecisionConfig()
+        self._encoded: dict[str, Any] = {}
+        self.fp32_modules = keep_fp32(self, self.precision.fp32_modules)
+        """Modules (names under ``transformer.``) computed in FP32 under a BF16/FP16 ``precision``."""
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        return self._frozen.modules()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: torch.Tensor) -> Any:
+        if prompts.is_floating_point() or prompts.ndim != 1:
+            raise ValueError(
+                f"encode_prompts takes [B] integer prompt ids, got {prompts.dtype} {tuple(prompts.shape)}"
+            )
+        ids = [int(i) for i in prompts.tolist()]
+        bad = sorted({i for i in ids if not 0 <= i < self.num_prompts})
+        if bad:
+            raise ValueError(f"prompt ids {bad} are outside this recipe's prompts 0..{self.num_prompts - 1}")
+        return self.encode_texts([self.prompts[i] for i in ids])
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str]) -> Any:
+        """The conditioning of ``texts``, each distinct text encoded alone (a batch of one) the first
+        time it is asked for and kept: the engine's form (its requests bring the texts), equal bit
+        for bit to :meth:`encode_prompts` of the same texts by id."""
+        for text in dict.fromkeys(texts):
+            if text not in self._encoded:
+                self._encoded[text] = self._encode_text(text)
+        return self.encodings_type.cat([self._encoded[t] for t in texts])
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: Conditioning) -> torch.Tensor:
+        """``x_t``: latents [B, ...]; ``t``: [B] in [0, 1]; ``prompts``: ids [B] or the family's
+        encodings. Returns the velocity, shaped as ``x_t`` (FP32)."""
+        if isinstance(prompts, self.encodings_type):
+            enc = prompts
+        else:
+            assert isinstance(prompts, torch.Tensor)
+            enc = self.encode_prompts(prompts)
+        if len(enc) != x_t.shape[0]:
+            raise ValueError(f"{len(enc)} prompt encodings for {x_t.shape[0]} latents")
+        timestep = t * float(self.num_train_timesteps)
+        if self.precision.dtype is torch.float32:
+            return self._denoise(x_t, timestep, enc)
+        with torch.autocast(device_type=x_t.device.type, dtype=self.precision.dtype):
+            out = self._denoise(x_t, timestep, enc)
+        return out.float()
+
+    @abstractmethod
+    def _denoise(self, x_t: torch.Tensor, timestep: torch.Tensor, enc: Any) -> torch.Tensor:
+        """The family's transformer on latents ``x_t`` at ``timestep`` (scheduler scale) under ``enc``."""
+
+    @abstractmethod
+    def _encode_text(self, text: str) -> Any:
+        """One prompt's encodings (a batch of one), with autocast off (frozen FP32 encoders)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PipelineFlowModel:
+        """A copy of the trainable transformer (a frozen reference model for a KL term) that shares
+        the frozen text encoders and VAE instead of copying them."""
+        memo[id(self._frozen)] = self._frozen
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            clone.__dict__[key] = copy.deepcopy(value, memo)
+        return clone
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> PipelineFlowModel:
+        """``.to(device)`` and friends move the frozen parts too (they are not submodules)."""
+        super()._apply(fn, recurse)
+        for module in self._frozen.modules().values():
+            module._apply(fn)
+        self._encoded.clear()
+        return self
