@@ -101,7 +101,7 @@ def test_dp_is_refused_on_cuda_in_one_line():
 def test_cpu_launch_refuses_what_it_does_not_run(tmp_path):
     path = make_checkpoint("qwen3", tmp_path / "hf")
     for megatron, said in [
-        (dict(num_ranks=2, pipeline_parallel=2), "megatron.pipeline_parallel is 2"),
+        (dict(num_ranks=2, context_parallel=2), "megatron.context_parallel is 2"),
         (dict(num_ranks=2, tensor_parallel=2, sequence_parallel=True), "megatron.sequence_parallel is true"),
     ]:
         with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):

@@ -22,7 +22,7 @@ from typing import Any
 import miles.lora
 from miles.config.schema import TrainSection
 from miles.config.sections import backend_sections
-from miles.errors import ConfigError, ModelError
+from miles.errors import ComponentError, ConfigError, ModelError
 from miles.interfaces import REF_LOGPROBS, TEACHER_LOGPROBS, VALUES, BackendSpec, TransportStats
 from miles.train_rows import OLD_LOGPROBS, Row, batch_rows, check_batch, mini_batches, sample_row
 from miles.types import Sample, TrainBatch
@@ -99,6 +99,27 @@ def routing_replay_problem(model_path: str, options: MegatronOptions) -> str | N
     return None
 
 
+def pipeline_problems(model_paths: list[str], spec: BackendSpec, lora: bool) -> list[str]:
+    """What pipeline stages (PP > 1) do not run with yet, one sentence each (empty: they do);
+    ``model_paths``: the HF directories the run builds on its stages (the policy, the frozen scorers)."""
+    out = []
+    tied = [p for p in model_paths if HFModel.from_dir(p).tie_word_embeddings]
+    if tied:
+        out.append(
+            f"megatron.pipeline_parallel > 1 needs untied word embeddings, and {tied[0]} ties them "
+            "(megatron-core copies the shared embedding to the last stage on CUDA when it builds the model, "
+            "which megatron.device cpu cannot); allowed: pipeline_parallel 1 for it"
+        )
+    if spec.critic is not None:
+        out.append(
+            "megatron.pipeline_parallel > 1 with a critic (PPO's value model) is not built yet; "
+            "allowed: pipeline_parallel 1, or an objective without values"
+        )
+    if lora:
+        out.append("megatron.pipeline_parallel > 1 with LoRA is not built yet; allowed: pipeline_parallel 1")
+    return out
+
+
 class MegatronBackend:
     """``miles.interfaces.Backend`` on megatron-core; options come from the ``train`` and ``megatron`` sections."""
 
@@ -173,6 +194,9 @@ class MegatronBackend:
                 "megatron.device cpu cannot run a MoE model (megatron-core's router moves its weights to "
                 "CUDA in every forward); allowed: a dense model, or megatron.device cuda"
             )
+        if layout.pp > 1:
+            built = {spec.model_path, *(p for _, n, p in scorers if n in spec.scores and p)}
+            problems += pipeline_problems(sorted(built), spec, lora_section is not None)
         if train.use_rollout_routing_replay:
             replay_problem = routing_replay_problem(spec.model_path, options)
             if replay_problem is not None and replay_problem not in problems:
@@ -336,7 +360,14 @@ class MegatronBackend:
         trainer = self._use("load_checkpoint")
         assert self.spec is not None
         with open(os.path.join(directory, CHECKPOINT_MARKER)) as f:
-            saved_lora = json.load(f).get("lora")
+            marker = json.load(f)
+        saved_lora = marker.get("lora")
+        if self.options is not None and self.options.device == "cpu" and self.layout is not None:
+            from miles_megatron.reshard import reshard_problem, saved_layout
+
+            problem = reshard_problem(saved_layout(marker), self.layout)  # before any rank reads a file
+            if problem is not None:
+                raise ComponentError(f"checkpoint {directory} cannot be resharded: {problem}")
         # A LoRA checkpoint resumes only as the same adapter on the same base (checked before any rank reads it).
         lora_mod.check_checkpoint(
             saved_lora, self.adapter_plans or self.lora_plan, self.spec.model_path, directory

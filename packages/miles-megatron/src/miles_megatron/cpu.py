@@ -25,8 +25,8 @@ Not adapted, so refused on CPU: the MoE router (``router.py``, ``gating`` moves 
 CUDA on every call). What stays CUDA-only in megatron-core and so is not used on CPU: its ``DistributedDataParallel``
 (gradient buffers on the current CUDA device), its optimizer and gradient clipping (``found_inf``
 and norm tensors on ``"cuda"``), its forward/backward schedules (``total_num_tokens`` on
-``"cuda"``), sequence parallelism (its all-gather buffer is the CUDA memory buffer) and the
-pipeline's point-to-point buffers. The CPU trainer runs torch's AdamW with
+``"cuda"``), sequence parallelism (its all-gather buffer is the CUDA memory buffer); the pipeline's point-to-point
+buffers are replaced by a communicator subclass passed to its schedule (``miles_megatron.pipeline``). The CPU trainer runs torch's AdamW with
 megatron's weight-decay groups, the TP reduction of the q/k-norm gradients megatron's
 ``finalize_model_grads`` does (:func:`reduce_tp_shared_grads`), its own tensor-parallel gradient
 norm (:func:`clip_grad_norm`) and the no-pipelining schedule's loop itself

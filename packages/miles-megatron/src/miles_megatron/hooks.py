@@ -27,7 +27,7 @@ def miles_config_sections() -> list[ConfigSection]:
             model=MegatronOptions,
             description="Megatron-core training backend: parallel layout (TP, PP, CP, EP, ETP), device",
             # A resume may change the TP / DP layout: the trainer reshards its checkpoint (or refuses
-            # what it cannot reshard in one line: PP / CP / EP layouts).
+            # what it cannot reshard in one line: a PP > 1 checkpoint resumes on its own layout only).
             resume_mutable=RESUME_MUTABLE,
         )
     ]
@@ -65,11 +65,16 @@ def miles_configure(config: Any) -> None:
 def launch_problems(options: MegatronOptions) -> list[str]:
     """Layouts the multi-rank launch does not run yet, one sentence each naming the setting."""
     out = []
-    if options.pipeline_parallel != 1:
+    if options.pipeline_parallel != 1 and options.device == "cuda":
         out.append(
-            f"megatron.pipeline_parallel is {options.pipeline_parallel}: pipeline stages are not launched "
-            "yet (megatron-core's pipeline schedules and point-to-point buffers are CUDA-only and not run "
-            "here); allowed: 1"
+            f"megatron.pipeline_parallel is {options.pipeline_parallel}: pipeline stages run on megatron.device "
+            "cpu only so far (on GPUs they have not been run); allowed with cuda: 1"
+        )
+    if options.pipeline_parallel != 1 and options.optimizer_streaming:
+        out.append(
+            f"megatron.pipeline_parallel is {options.pipeline_parallel} with megatron.optimizer_streaming: "
+            "streamed optimizer state is not run over pipeline stages yet; allowed: pipeline_parallel 1, "
+            "or optimizer_streaming false"
         )
     if options.context_parallel != 1:
         out.append(f"megatron.context_parallel is {options.context_parallel}: not launched yet; allowed: 1")

@@ -90,7 +90,14 @@ def transformer_config(
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.sequence_parallel,
+        # Micro-batches are padded to their own longest row, so the activations passed between pipeline
+        # stages change shape: each one's shape travels first (megatron's setting for that).
+        variable_seq_lengths=layout.pp > 1,
     )
+    if layout.pp > 1 and not model.is_moe:
+        # Unused by a dense model, but megatron's config refuses its default (allgather) with
+        # variable_seq_lengths.
+        fields["moe_token_dispatcher_type"] = "alltoall"
     if model.is_moe:
         fields.update(
             num_moe_experts=model.num_experts,
@@ -105,7 +112,8 @@ def transformer_config(
             moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32",
             # allgather on one EP rank (alltoall makes a CUDA stream when built, so no CPU model)
-            moe_token_dispatcher_type="alltoall" if layout.ep > 1 else "allgather",
+            # (and megatron's config refuses allgather with the variable shapes of pipeline stages)
+            moe_token_dispatcher_type="alltoall" if layout.ep > 1 or layout.pp > 1 else "allgather",
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
         )

@@ -27,8 +27,10 @@ Streamed optimizer state (``megatron.optimizer_streaming``: FP32 masters and bot
 parameter in each rank's bucket files) reshards the same way, one parameter at a time, into this
 run's own buckets (:meth:`CPUReshard.streamed`).
 
-What it takes: both layouts with PP = CP = EP = 1 and ETP = TP (the CPU launch runs no other), any TP
-that the model's heads divide, and any DP.
+What it takes: both layouts with PP = CP = EP = 1 and ETP = TP, any TP that the model's heads divide,
+and any DP. A checkpoint written with pipeline stages (PP > 1: each rank's files hold its stage's layers,
+numbered from 0 inside the stage, and the AdamW state of those alone) resumes on its own layout only;
+``reshard_problem`` says so in one line, and the backend asks it before any rank reads a file.
 """
 
 from __future__ import annotations
@@ -76,11 +78,14 @@ def same_layout(a: ParallelLayout, b: ParallelLayout) -> bool:
 
 def reshard_problem(saved: ParallelLayout, layout: ParallelLayout) -> str | None:
     """Why a checkpoint written under ``saved`` cannot be read under ``layout`` here (None: it can)."""
+    if same_layout(saved, layout):
+        return None
     for name, lay in (("written", saved), ("resumed", layout)):
         if (lay.pp, lay.cp, lay.ep, lay.etp) != (1, 1, 1, lay.tp):
             return (
                 f"the layout it is {name} under has PP={lay.pp}, CP={lay.cp}, EP={lay.ep}, ETP={lay.etp}; "
-                "CPU checkpoints reshard across tensor- and data-parallel sizes only (PP = CP = EP = 1, ETP = TP)"
+                "CPU checkpoints reshard across tensor- and data-parallel sizes only (PP = CP = EP = 1, ETP = TP), "
+                "and one written with pipeline stages resumes on its own layout only (the same num_ranks, TP and PP)"
             )
     return None
 

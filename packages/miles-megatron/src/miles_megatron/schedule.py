@@ -1,6 +1,7 @@
 """Forward (and backward) over a step's micro-batches: megatron's schedule on CUDA, the same loop
-in-process on the CPU (megatron's no-pipelining schedule allocates on CUDA). The policy's trainer and
-the critic both run their passes through it."""
+in-process on the CPU (megatron's no-pipelining schedule allocates on CUDA), and megatron's pipeline
+schedule on both under PP > 1 (``miles_megatron.pipeline``). The policy's trainer and the critic both
+run their passes through it."""
 
 from __future__ import annotations
 
@@ -17,10 +18,21 @@ ForwardStep = Callable[[Iterator[MicroBatch], Any], tuple[torch.Tensor, Callable
 
 
 def run_micro_batches(
-    model: Any, micro_batches: list[MicroBatch], forward_step: ForwardStep, *, cuda: bool, forward_only: bool
+    model: Any,
+    micro_batches: list[MicroBatch],
+    forward_step: ForwardStep,
+    *,
+    cuda: bool,
+    forward_only: bool,
+    stages: int = 1,
 ) -> list[Any]:
     """What ``reduce`` kept of each micro-batch, in order; unless ``forward_only``, each micro-batch's
-    loss / n has been back-propagated (gradients accumulate over the step)."""
+    loss / n has been back-propagated (gradients accumulate over the step). ``stages``: the pipeline's
+    (PP); with more than one, ``reduce`` runs on the last stage and every stage gets what it kept."""
+    if stages > 1:
+        from miles_megatron.pipeline import run_pipeline
+
+        return run_pipeline(model, micro_batches, forward_step, cuda=cuda, forward_only=forward_only)
     n = len(micro_batches)
     if not cuda:
         data = iter(micro_batches)

@@ -25,6 +25,11 @@ With ``megatron.optimizer_streaming`` the optimizer is ``streaming.StreamingAdam
 CUDA over megatron's DDP and its ``main_grad`` buffers, on CPU over ``grad``): AdamW's FP32 masters
 and moments stay on disk, one file per bucket of parameters, loaded only for that bucket's update.
 
+With PP > 1 the rank builds its pipeline stage only (``pre_process`` / ``post_process``, the stage's
+layers) and every pass goes through megatron's pipeline schedule (``miles_megatron.pipeline``, on CPU
+too): the loss function runs on the last stage and what it keeps reaches every stage; the weight
+stream relays each stage's tensors to rank 0 (``miles_megatron.stage_relay``).
+
 With TP > 1 the output layer's logits are vocab-sharded; ``gather_vocab`` joins them over the
 TP group (its backward hands each rank its slice), so the log-probs are those of the full
 vocabulary on every TP rank.
@@ -75,6 +80,7 @@ from miles_megatron.offload import DiskSpill, StorageOffloader
 from miles_megatron.parallel import megatron_parallel
 from miles_megatron.routing import REPLAY_FIELD, RouterHooks, routers_of, supports_replay
 from miles_megatron.schedule import run_micro_batches
+from miles_megatron.stage_relay import relay_stages
 from miles_megatron.streaming import StreamedParam, StreamingAdamW, StreamingConfig
 
 log = logging.getLogger(__name__)
@@ -131,6 +137,9 @@ class MegatronTrainer:
         self.spec, self.layout, self.options, self.train_opts = spec, layout, options, train
         self.layer_spec = layer_spec
         self.rank = rank
+        # Pipeline parallelism: this rank's stage builds the embedding (first) and the output layer (last).
+        stage = layout.coords(rank).pp
+        self.pre_process, self.post_process = stage == 0, stage == layout.pp - 1
         # Data parallelism (CPU trainer): this rank's share of each step's micro-batches.
         self.dp_rank, self.dp_size = layout.coords(rank).dp, layout.dp
         if self.dp_size > 1 and options.device == "cuda":  # hooks.launch_problems refuses it first
@@ -187,6 +196,8 @@ class MegatronTrainer:
             cpu=not self.cuda,
             core_attention=options.core_attention or "sdpa",
             lora=self.loras if self.multi else self.lora,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
         ).to(self.device)
         # MoE: the routers count where their top-k differs from the routing the rollout recorded and,
         # with replay on, route as it did (R3; miles_megatron.routing).
@@ -290,6 +301,8 @@ class MegatronTrainer:
             self.layer_spec,
             cpu=not self.cuda,
             core_attention=self.options.core_attention or "sdpa",
+            pre_process=self.pre_process,
+            post_process=self.post_process,
         ).to(self.device)
         self._load_weights(model, hf, path)
         model.requires_grad_(False)
@@ -373,8 +386,12 @@ class MegatronTrainer:
 
     # ---------------------------------------------------------------- passes
 
-    def _run_schedule(self, micro_batches: list[MicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
+    def _run_schedule(
+        self, micro_batches: list[MicroBatch], loss_func: Any, forward_only: bool, model: Any = None
+    ) -> list[Any]:
+        """``loss_func``'s results per micro-batch through the schedule (``model``: default the policy)."""
         n = len(micro_batches)
+        last_stage = self.post_process
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
@@ -386,10 +403,17 @@ class MegatronTrainer:
                 attention_mask=None if self.cuda else _causal_mask(mb),
                 **self._packed_kwargs(mb),
             )
-            return gather_vocab(logits), functools.partial(loss_func, mb, n)
+            # A stage before the last outputs hidden states for the next stage, not logits.
+            output = gather_vocab(logits) if last_stage else logits
+            return output, functools.partial(loss_func, mb, n)
 
         return run_micro_batches(
-            self.model, micro_batches, forward_step, cuda=self.cuda, forward_only=forward_only
+            self.model if model is None else model,
+            micro_batches,
+            forward_step,
+            cuda=self.cuda,
+            forward_only=forward_only,
+            stages=self.layout.pp,
         )
 
     def _packed_kwargs(self, mb: MicroBatch) -> dict[str, Any]:
@@ -442,7 +466,10 @@ class MegatronTrainer:
 
     def _scorer_rows(self, model: Any, mbs: list[MicroBatch]) -> list[list[list[float]]]:
         """A frozen model's log-probs of each micro-batch's response tokens (one forward each: a
-        frozen model needs neither megatron's DDP nor its schedule, and PP is 1)."""
+        frozen model needs neither megatron's DDP nor its schedule, except to pass activations
+        between pipeline stages)."""
+        if self.layout.pp > 1:
+            return self._rows_through_schedule(mbs, model)
         out = []
         with torch.no_grad():
             for mb in mbs:
@@ -459,6 +486,11 @@ class MegatronTrainer:
     def _policy_rows(self, mbs: list[MicroBatch]) -> list[list[list[float]]]:
         """The policy's own log-probs of each micro-batch's response tokens, through the schedule."""
         self.model.eval()
+        return self._rows_through_schedule(mbs, None)
+
+    def _rows_through_schedule(self, mbs: list[MicroBatch], model: Any) -> list[list[list[float]]]:
+        """``model``'s (None: the policy's) log-probs of each micro-batch's response tokens, forward-only
+        through the schedule (under PP computed on the last stage and sent to every stage)."""
 
         def loss_func(mb: MicroBatch, n: int, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
             lp, _ = token_logprobs(logits, mb, self.spec.temperature)
@@ -466,7 +498,7 @@ class MegatronTrainer:
             return lp.new_zeros(()), {"rows": rows}
 
         with torch.no_grad():
-            outs = self._run_schedule(mbs, loss_func, forward_only=True)
+            outs = self._run_schedule(mbs, loss_func, forward_only=True, model=model)
         return [out["rows"] for out in outs]
 
     def _sync(self) -> None:
@@ -674,7 +706,8 @@ class MegatronTrainer:
         return shards
 
     def weight_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's stage in HF names and layouts (TP shards gathered through the layout's groups);
+        """This rank's stage in HF names and layouts (TP shards gathered through the layout's groups), and on
+        rank 0 every later pipeline stage's after it (``stage_relay``);
         under LoRA only the adapter, under the names the engines hold it by (``lora.engine_stream``)."""
         if self.multi:  # only the adapters trained since the last update
             sent = tuple(p for p in self.loras if p.name in self._unsent)
@@ -683,7 +716,8 @@ class MegatronTrainer:
         if self.lora is not None:
             return lora_mod.engine_stream(self)
         state = self.gpt.state_dict(keep_vars=False)
-        return iter_export(self.hf, self.layout, self.rank, state, self._gather, self.layer_spec)
+        own = iter_export(self.hf, self.layout, self.rank, state, self._gather, self.layer_spec)
+        return relay_stages(self.layout, self.rank, own, self.device)
 
     def unsent_adapters(self) -> list[str]:
         """Multi-LoRA: the adapters the next weight update sends (those trained since the last)."""

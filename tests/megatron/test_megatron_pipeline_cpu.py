@@ -1,0 +1,189 @@
+"""Pipeline parallelism on CPU over gloo (``megatron.device: cpu``): PP = 2 through megatron-core's schedule.
+
+One tiny Qwen3 checkpoint (untied embeddings, 4 layers: 2 per stage) and one batch of 5 samples in
+micro-batches of 2 (3 micro-batches of different shapes through the 1F1B schedule), trained by the
+real backend on one rank and on two pipeline stages (and PP x TP, PP x DP on four ranks): the
+log-probs before the step, the step's loss and gradient norm, and the log-probs after it agree; the
+HF export (each stage's layers relayed to rank 0) equals the checkpoint's tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from megatron_helpers import checkpoint_tensors, cpu_run_config, make_batch, make_checkpoint, read_rows
+from safetensors.torch import load_file, save_file
+
+from miles.errors import ComponentError, ConfigError
+from miles.interfaces import BackendSpec
+from miles_megatron.backend import MegatronBackend
+
+pytestmark = pytest.mark.slow
+
+
+def _spec(path, **megatron) -> BackendSpec:
+    return BackendSpec(
+        model_path=str(path),
+        loss="ppo_clip",
+        correction=None,
+        transport="colocated",
+        engine_urls=[],
+        temperature=1.0,
+        options={
+            # eps well above float noise (as test_megatron_ranks_cpu): Adam's first step is lr * g / (|g| + eps).
+            "train": {"lr": 1e-2, "eps": 1e-4, "micro_batch_size": 2, "grad_clip": 1.0, "weight_decay": 0.01},
+            "megatron": dict(device="cpu", params_dtype="float32", **megatron),
+        },
+    )
+
+
+def _checkpoint(tmp_path):
+    return make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False, num_hidden_layers=4)
+
+
+def _run(path, out, **megatron):
+    backend = MegatronBackend()
+    backend.setup(_spec(path, **megatron))
+    try:
+        batch = make_batch(n=5, seed=1)
+        backend.export_hf(str(out))
+        before = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
+        metrics = backend.train_step(batch)
+        after = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
+        return before, metrics, after
+    finally:
+        backend.shutdown()
+
+
+def _gap(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(r) for r in a] == [len(r) for r in b]
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def _same_run(one, other) -> None:
+    assert _gap(one[0], other[0]) < 1e-5
+    assert abs(one[1]["train/loss"] - other[1]["train/loss"]) < 1e-5
+    assert abs(one[1]["train/grad_norm"] - other[1]["train/grad_norm"]) < 1e-5
+    assert one[1]["train/num_tokens"] == other[1]["train/num_tokens"]
+    assert _gap(one[2], other[2]) < 1e-5  # one AdamW step on the stages == on the whole model
+    assert _gap(one[0], one[2]) > 1e-3  # and the step changed the model
+
+
+def _export_is_the_checkpoint(path, out) -> None:
+    hf = checkpoint_tensors(path)
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == set(hf)
+    assert all(torch.equal(exported[k], hf[k]) for k in hf)
+
+
+def test_pp2_over_gloo_equals_one_rank(tmp_path):
+    path = _checkpoint(tmp_path)
+    one = _run(path, tmp_path / "one")
+    two = _run(path, tmp_path / "pp2", num_ranks=2, pipeline_parallel=2)
+    _same_run(one, two)
+    _export_is_the_checkpoint(path, tmp_path / "pp2")
+
+
+@pytest.mark.parametrize("other", [dict(tensor_parallel=2), dict()], ids=["pp2-tp2", "pp2-dp2"])
+def test_pp2_with_tp2_or_dp2_equals_one_rank(tmp_path, other):
+    path = _checkpoint(tmp_path)
+    one = _run(path, tmp_path / "one")
+    four = _run(path, tmp_path / "four", num_ranks=4, pipeline_parallel=2, **other)
+    _same_run(one, four)
+    _export_is_the_checkpoint(path, tmp_path / "four")
+
+
+def test_pp_refusals_in_one_line(tmp_path):
+    from miles_megatron.config import MegatronOptions
+    from miles_megatron.hooks import launch_problems
+
+    assert launch_problems(MegatronOptions(num_ranks=2, pipeline_parallel=2, device="cpu")) == []
+    (problem,) = launch_problems(MegatronOptions(num_ranks=2, pipeline_parallel=2, device="cuda"))
+    assert "pipeline stages run on megatron.device cpu only" in problem
+    (problem,) = launch_problems(
+        MegatronOptions(num_ranks=2, pipeline_parallel=2, device="cpu", optimizer_streaming=True)
+    )
+    assert "optimizer_streaming" in problem
+    tied = make_checkpoint("qwen3", tmp_path / "tied", tie_word_embeddings=True, num_hidden_layers=4)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel > 1 needs untied word embeddings") as err:
+        MegatronBackend().setup(_spec(tied, num_ranks=2, pipeline_parallel=2))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"4 layers do not split into PP=3 stages"):
+        MegatronBackend().setup(_spec(_checkpoint(tmp_path), num_ranks=3, pipeline_parallel=3))
+
+
+def test_pp2_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path):
+    """Each stage's ranks save their own files; resumed on PP = 2 the next step's loss and the weights
+    after it equal the uninterrupted run's bit for bit; one rank (PP = 1) refuses it in one line."""
+    path = _checkpoint(tmp_path)
+    batches = [make_batch(n=5, seed=80 + i) for i in range(3)]
+    pp2 = dict(num_ranks=2, pipeline_parallel=2)
+    ckpt = tmp_path / "ckpt"
+    first = MegatronBackend()
+    first.setup(_spec(path, **pp2))
+    try:
+        losses = []
+        for i, batch in enumerate(batches):
+            losses.append(first.train_step(batch)["train/loss"])
+            if i == 1:
+                first.save_checkpoint(str(ckpt))
+        first.export_hf(str(tmp_path / "first"))
+    finally:
+        first.shutdown()
+    assert sorted(p.name for p in (ckpt / "cpu").iterdir()) == ["rank00000", "rank00001"]
+    resumed = MegatronBackend()
+    resumed.setup(_spec(path, **pp2))
+    try:
+        resumed.load_checkpoint(str(ckpt))
+        assert resumed.train_step(batches[2])["train/loss"] == losses[2]
+        resumed.export_hf(str(tmp_path / "resumed"))
+    finally:
+        resumed.shutdown()
+    want, got = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("first", "resumed"))
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    one = MegatronBackend()
+    one.setup(_spec(path))
+    try:
+        with pytest.raises(ComponentError, match=r"resumes on its own layout only") as err:
+            one.load_checkpoint(str(ckpt))
+        assert "\n" not in str(err.value)
+    finally:
+        one.shutdown()
+
+
+def _untied_builtin(directory):
+    """The default recipe's tiny Qwen3 (tokenizer, 4 layers) with its output layer untied (a copy of the
+    embedding): PP on the CPU needs untied embeddings."""
+    from miles.models import resolve_model
+
+    shutil.copytree(resolve_model("builtin:tiny-qwen3"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def test_miles_run_with_pp2_passes_the_weight_equality_check(tmp_path, monkeypatch):
+    """``miles run`` on two pipeline stages with the embedded engine, the colocated transport and the
+    weight-equality check on: every engine tensor equals the trainer's after the first update (each
+    stage's layers relayed to rank 0), and the engine serves the trained weights (log-prob gap ~ 0)."""
+    from miles.loop import train
+
+    config = cpu_run_config(
+        tmp_path,
+        monkeypatch,
+        2,
+        f"model.path={_untied_builtin(tmp_path / 'untied')}",
+        "weight_sync.check_equal=true",
+        'megatron={"device": "cpu", "params_dtype": "float32", "num_ranks": 2, "pipeline_parallel": 2}',
+    )
+    rows = read_rows(train(config).metrics_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+    assert all(r["correction/abs_dev"] < 1e-4 for r in rows)
+    assert [r["engine/weight_version"] for r in rows] == [1, 2]
