@@ -85,3 +85,14 @@ class DiffusionModel(nn.Module, metaclass=ABCMeta):
     def frozen_modules(self) -> dict[str, nn.Module]:
         """Modules the model uses but never trains (not in ``parameters()``): none by default."""
         return {}
+
+    has_unconditional: bool = False
+    """Whether the family has an unconditional branch for classifier-free guidance
+    (:mod:`miles_diffusion.guidance`): a null conditioning the model was trained with. A family
+    without one refuses a guidance scale above 1."""
+
+    def with_unconditional(self, prompts: Conditioning) -> Conditioning:
+        """The conditioning of a guided batch of ``2B``: the unconditional encoding for the first B
+        rows, then ``prompts``' own encodings (ids are encoded first). Only for a family with
+        :attr:`has_unconditional`."""
+        raise ValueError(f"a {type(self).__name__} has no unconditional branch for classifier-free guidance")

@@ -11,6 +11,8 @@ import torch
 @dataclass(frozen=True)
 class FlowGRPOConfig:
     name: ClassVar[str] = "flow_grpo"
+    guidance: ClassVar[str | None] = None
+    """Flow-GRPO re-scores each recorded step with the sampler's own guided velocity: any scale runs."""
 
     clip_range: float = 1e-3
     """The ratio is clipped to [1 - clip_range, 1 + clip_range] (log-probs are per-pixel means)."""

@@ -38,6 +38,13 @@ from miles_diffusion.trainer import make_optimizer
 @dataclass(frozen=True)
 class DiffusionNFTConfig:
     name: ClassVar[str] = "diffusion_nft"
+    guidance: ClassVar[str | None] = (
+        "DiffusionNFT regresses the conditional velocity on the forward process, its implicit policies "
+        "centred on the conditional velocity v_old; images sampled with guidance come from another "
+        "policy (the guided velocity), so the loss would no longer be centred on the policy that "
+        "sampled (the method is meant to train without CFG)"
+    )
+    """Why a guidance scale above 1 is refused (``None``: it is supported)."""
 
     beta: float = 1.0
     """How far the implicit policies sit from ``v_old`` along ``v - v_old`` (must be positive)."""

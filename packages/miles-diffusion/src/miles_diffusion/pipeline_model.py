@@ -16,6 +16,9 @@ from torch import nn
 from miles_diffusion.denoiser import Conditioning, DiffusionModel
 from miles_diffusion.precision import PrecisionConfig, keep_fp32
 
+UNCONDITIONAL_TEXT = ""
+"""The prompt whose encoding is the unconditional branch of classifier-free guidance."""
+
 
 class FrozenParts(Protocol):
     """The parts that never train, kept off the module tree on purpose: not in the optimizer, the
@@ -83,6 +86,20 @@ class PipelineFlowModel(DiffusionModel):
             if text not in self._encoded:
                 self._encoded[text] = self._encode_text(text)
         return self.encodings_type.cat([self._encoded[t] for t in texts])
+
+    has_unconditional = True
+    """The unconditional branch is the empty prompt through the family's own text encoders (the
+    negative prompt diffusers' SD3 and Wan pipelines guide with by default)."""
+
+    def with_unconditional(self, prompts: Conditioning) -> Any:
+        if isinstance(prompts, self.encodings_type):
+            enc = prompts
+        else:
+            assert isinstance(prompts, torch.Tensor)
+            enc = self.encode_prompts(prompts)
+        # encode_texts keeps the empty prompt's encoding after its first use, as every text's
+        null = self.encode_texts([UNCONDITIONAL_TEXT] * len(enc))
+        return self.encodings_type.cat([null, enc])
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: Conditioning) -> torch.Tensor:
         """``x_t``: latents [B, ...]; ``t``: [B] in [0, 1]; ``prompts``: ids [B] or the family's

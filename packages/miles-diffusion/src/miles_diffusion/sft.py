@@ -21,6 +21,8 @@ from miles_diffusion.trainer import make_optimizer
 @dataclass(frozen=True)
 class SFTConfig:
     name: ClassVar[str] = "sft"
+    guidance: ClassVar[str | None] = "sft trains on given images; nothing it trains on is sampled"
+    """Why a guidance scale above 1 is refused."""
 
     t_min: float = 0.0
     t_max: float = 1.0
