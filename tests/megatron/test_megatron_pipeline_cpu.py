@@ -9,13 +9,10 @@ HF export (each stage's layers relayed to rank 0) equals the checkpoint's tensor
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 from megatron_helpers import checkpoint_tensors, cpu_run_config, make_batch, make_checkpoint, read_rows
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from miles.errors import ComponentError, ConfigError
 from miles.interfaces import BackendSpec
@@ -32,6 +29,7 @@ def _spec(path, **megatron) -> BackendSpec:
         transport="colocated",
         engine_urls=[],
         temperature=1.0,
+        scores=["ref_logprobs"],  # the frozen reference model runs on the stages too
         options={
             # eps well above float noise (as test_megatron_ranks_cpu): Adam's first step is lr * g / (|g| + eps).
             "train": {"lr": 1e-2, "eps": 1e-4, "micro_batch_size": 2, "grad_clip": 1.0, "weight_decay": 0.01},
@@ -40,8 +38,8 @@ def _spec(path, **megatron) -> BackendSpec:
     )
 
 
-def _checkpoint(tmp_path):
-    return make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=False, num_hidden_layers=4)
+def _checkpoint(tmp_path, tied=False):
+    return make_checkpoint("qwen3", tmp_path / "hf", tie_word_embeddings=tied, num_hidden_layers=4)
 
 
 def _run(path, out, **megatron):
@@ -52,8 +50,9 @@ def _run(path, out, **megatron):
         backend.export_hf(str(out))
         before = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
         metrics = backend.train_step(batch)
-        after = backend.score(batch.samples, ["old_logprobs"])["old_logprobs"]
-        return before, metrics, after
+        after = backend.score(batch.samples, ["old_logprobs", "ref_logprobs"])
+        assert _gap(after["ref_logprobs"], before) < 1e-5  # the reference is the initial policy, frozen
+        return before, metrics, after["old_logprobs"]
     finally:
         backend.shutdown()
 
@@ -79,8 +78,11 @@ def _export_is_the_checkpoint(path, out) -> None:
     assert all(torch.equal(exported[k], hf[k]) for k in hf)
 
 
-def test_pp2_over_gloo_equals_one_rank(tmp_path):
-    path = _checkpoint(tmp_path)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_pp2_over_gloo_equals_one_rank(tmp_path, tied):
+    """Tied: megatron's copy of the embedding on the last stage is the output layer's weight; their
+    gradients are summed over the embedding group, so both take the one-rank update."""
+    path = _checkpoint(tmp_path, tied)
     one = _run(path, tmp_path / "one")
     two = _run(path, tmp_path / "pp2", num_ranks=2, pipeline_parallel=2)
     _same_run(one, two)
@@ -107,10 +109,6 @@ def test_pp_refusals_in_one_line(tmp_path):
         MegatronOptions(num_ranks=2, pipeline_parallel=2, device="cpu", optimizer_streaming=True)
     )
     assert "optimizer_streaming" in problem
-    tied = make_checkpoint("qwen3", tmp_path / "tied", tie_word_embeddings=True, num_hidden_layers=4)
-    with pytest.raises(ConfigError, match=r"pipeline_parallel > 1 needs untied word embeddings") as err:
-        MegatronBackend().setup(_spec(tied, num_ranks=2, pipeline_parallel=2))
-    assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"4 layers do not split into PP=3 stages"):
         MegatronBackend().setup(_spec(_checkpoint(tmp_path), num_ranks=3, pipeline_parallel=3))
 
@@ -154,23 +152,9 @@ def test_pp2_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path):
         one.shutdown()
 
 
-def _untied_builtin(directory):
-    """The default recipe's tiny Qwen3 (tokenizer, 4 layers) with its output layer untied (a copy of the
-    embedding): PP on the CPU needs untied embeddings."""
-    from miles.models import resolve_model
-
-    shutil.copytree(resolve_model("builtin:tiny-qwen3"), directory)
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
-    tensors = load_file(str(directory / "model.safetensors"))
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
 def test_miles_run_with_pp2_passes_the_weight_equality_check(tmp_path, monkeypatch):
-    """``miles run`` on two pipeline stages with the embedded engine, the colocated transport and the
-    weight-equality check on: every engine tensor equals the trainer's after the first update (each
+    """``miles run`` of the default recipe's tiny Qwen3 (4 layers, tied embeddings) on two pipeline stages
+    with the embedded engine, the colocated transport and the weight-equality check on: every engine tensor equals the trainer's after the first update (each
     stage's layers relayed to rank 0), and the engine serves the trained weights (log-prob gap ~ 0)."""
     from miles.loop import train
 
@@ -178,7 +162,6 @@ def test_miles_run_with_pp2_passes_the_weight_equality_check(tmp_path, monkeypat
         tmp_path,
         monkeypatch,
         2,
-        f"model.path={_untied_builtin(tmp_path / 'untied')}",
         "weight_sync.check_equal=true",
         'megatron={"device": "cpu", "params_dtype": "float32", "num_ranks": 2, "pipeline_parallel": 2}',
     )

@@ -99,17 +99,9 @@ def routing_replay_problem(model_path: str, options: MegatronOptions) -> str | N
     return None
 
 
-def pipeline_problems(model_paths: list[str], spec: BackendSpec, lora: bool) -> list[str]:
-    """What pipeline stages (PP > 1) do not run with yet, one sentence each (empty: they do);
-    ``model_paths``: the HF directories the run builds on its stages (the policy, the frozen scorers)."""
+def pipeline_problems(spec: BackendSpec, lora: bool) -> list[str]:
+    """What pipeline stages (PP > 1) do not run with yet, one sentence each (empty: they do)."""
     out = []
-    tied = [p for p in model_paths if HFModel.from_dir(p).tie_word_embeddings]
-    if tied:
-        out.append(
-            f"megatron.pipeline_parallel > 1 needs untied word embeddings, and {tied[0]} ties them "
-            "(megatron-core copies the shared embedding to the last stage on CUDA when it builds the model, "
-            "which megatron.device cpu cannot); allowed: pipeline_parallel 1 for it"
-        )
     if spec.critic is not None:
         out.append(
             "megatron.pipeline_parallel > 1 with a critic (PPO's value model) is not built yet; "
@@ -195,8 +187,7 @@ class MegatronBackend:
                 "CUDA in every forward); allowed: a dense model, or megatron.device cuda"
             )
         if layout.pp > 1:
-            built = {spec.model_path, *(p for _, n, p in scorers if n in spec.scores and p)}
-            problems += pipeline_problems(sorted(built), spec, lora_section is not None)
+            problems += pipeline_problems(spec, lora_section is not None)
         if train.use_rollout_routing_replay:
             replay_problem = routing_replay_problem(spec.model_path, options)
             if replay_problem is not None and replay_problem not in problems:

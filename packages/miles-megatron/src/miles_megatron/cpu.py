@@ -49,6 +49,26 @@ from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
 from megatron.core.tensor_parallel.layers import (  # type: ignore[import-untyped]
     param_is_not_tensor_parallel_duplicate,
 )
+from torch.overrides import TorchFunctionMode
+
+
+class CudaOnCPU(TorchFunctionMode):
+    """While active, what megatron asks for on CUDA stays on the CPU: a factory call's ``device="cuda"``
+    builds on the CPU and ``Tensor.cuda()`` returns the tensor where it is. Entered only around the
+    megatron calls that hard-code CUDA on the CPU path: the pipeline schedule (its token counter) and
+    the set-up of the tied embedding's copy on the last pipeline stage. Nothing else changes: a call
+    that does not ask for CUDA passes through untouched."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
 
 
 class CPURotaryEmbedding(RotaryEmbedding):
@@ -102,6 +122,13 @@ class CPUGPTModel(GPTModel):
                 cp_group=self.pg_collection.cp,
             )
 
+    def setup_embeddings_and_output_layer(self) -> None:
+        # Under PP with tied embeddings megatron keeps a copy of the embedding on the last stage and
+        # synchronises it from the first with ``weight.data.cuda()`` then an all-reduce: on the CPU the
+        # copy stays where it is and the all-reduce runs over gloo (megatron's own steps otherwise).
+        with CudaOnCPU():
+            super().setup_embeddings_and_output_layer()
+
 
 def causal_mask(seq_len: int) -> torch.Tensor:
     """megatron's attention mask for causal rows of ``seq_len`` tokens ([1, 1, s, s], True: masked out)."""
@@ -145,6 +172,20 @@ def reduce_tp_shared_grads(model: torch.nn.Module, qk_layernorm: bool) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
+def reduce_tied_embedding_grads(model: Any) -> None:
+    """Under PP with tied embeddings, sum the gradients of the embedding (first stage) and of its copy
+    in the output layer (last stage) over megatron's embedding group, as its ``finalize_model_grads``
+    does with DDP: both copies then take the same update and stay equal."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return
+    if not model.share_embeddings_and_output_weights or not parallel_state.is_rank_in_embedding_group():
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
+
 def clip_grad_norm(
     params: list[torch.nn.Parameter], max_norm: float | None, grad_attr: str = "grad"
 ) -> float:
@@ -154,10 +195,13 @@ def clip_grad_norm(
     ``grad_attr``: ``grad``, or ``main_grad`` where megatron's DDP accumulates (the streamed
     optimizer on CUDA); the sum is taken on the gradients' device (NCCL reduces CUDA tensors)."""
     present = [g for g in (getattr(p, grad_attr, None) for p in params) if g is not None]
+    # The last pipeline stage's copy of a tied embedding (``shared``) is counted once, on the first stage.
     grads = [
         g
         for p in params
-        if (g := getattr(p, grad_attr, None)) is not None and param_is_not_tensor_parallel_duplicate(p)
+        if (g := getattr(p, grad_attr, None)) is not None
+        and param_is_not_tensor_parallel_duplicate(p)
+        and not getattr(p, "shared", False)
     ]
     device = present[0].device if present else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)

@@ -28,6 +28,7 @@ from miles_megatron.layout import ParallelLayout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_EMBEDDING = "embedding.word_embeddings.weight"
 
 # (name, local tensor, group: "tp" or "etp") -> the group's shards in rank order
 Gather = Callable[[str, torch.Tensor, str], list[torch.Tensor]]
@@ -81,6 +82,10 @@ def shard_for_rank(
             continue
         size, index = (layout.etp, c.etp) if is_expert(name) else (layout.tp, c.tp)
         out[local] = tp_shard(name, tensor, size, index)
+    if model.tie_word_embeddings and layout.pp > 1 and c.pp == layout.pp - 1:
+        # megatron keeps the tied embedding's copy on the last stage as its output layer's weight
+        # (vocab-parallel like the embedding); weight export sends the first stage's only.
+        out["output_layer.weight"] = tp_shard(_EMBEDDING, full[_EMBEDDING], layout.tp, c.tp)
     return out
 
 

@@ -14,8 +14,9 @@ an API rather than by patching megatron:
   :class:`CPUP2PCommunicator`, a subclass, is passed in its place; it exchanges the same tensors
   with the same peers over the pipeline group, with its buffers on the CPU;
 - the schedule's token counter (``torch.zeros([], device="cuda")``): while the schedule runs,
-  :class:`CudaFactoriesOnCPU`, a torch function mode (torch's override protocol, the mechanism
-  behind ``with torch.device(...)``), puts tensors that a factory call asks for on "cuda" on the CPU.
+  :class:`miles_megatron.cpu.CudaOnCPU`, a torch function mode (torch's override protocol, the
+  mechanism behind ``with torch.device(...)``), puts tensors that a factory call asks for on "cuda" on
+  the CPU.
 
 Micro-batches have different shapes (rows are padded to their micro-batch's longest), so the
 model's config has ``variable_seq_lengths`` on under PP (``model_config.transformer_config``) and
@@ -36,27 +37,14 @@ from megatron.core.pipeline_parallel.p2p_communication import (  # type: ignore[
     P2PCommunicator,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection  # type: ignore[import-untyped]
-from torch.overrides import TorchFunctionMode
 
 from miles_megatron.batch import MicroBatch
+from miles_megatron.cpu import CudaOnCPU
 
 ForwardStep = Callable[[Iterator[MicroBatch], Any], tuple[torch.Tensor, Callable[[torch.Tensor], Any]]]
 
 # The process groups megatron's non-interleaved schedule reads from a passed-in collection.
 _SCHEDULE_GROUPS = ["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"]
-
-
-class CudaFactoriesOnCPU(TorchFunctionMode):
-    """Tensor factories asked for a CUDA device build on the CPU instead (active only around the schedule)."""
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs = {**kwargs, "device": "cpu"}
-        return func(*args, **kwargs)
 
 
 class CPUP2PCommunicator(P2PCommunicator):
@@ -139,7 +127,7 @@ def run_pipeline(
             ),
             "pg_collection": ProcessGroupCollection.use_mpu_process_groups(_SCHEDULE_GROUPS),
         }
-        mode = CudaFactoriesOnCPU()
+        mode = CudaOnCPU()
     with mode:
         kept = get_forward_backward_func()(
             forward_step_func=forward_step,

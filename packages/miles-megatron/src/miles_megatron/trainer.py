@@ -675,10 +675,11 @@ class MegatronTrainer:
         if self.cuda and self.streaming is None:
             ok, grad_norm, _ = self.optimizer.step()
             return bool(ok), grad_norm
-        from miles_megatron.cpu import clip_grad_norm, reduce_tp_shared_grads
+        from miles_megatron.cpu import clip_grad_norm, reduce_tied_embedding_grads, reduce_tp_shared_grads
 
         if not self.cuda:  # on CUDA megatron's finalize_model_grads has reduced them
             reduce_tp_shared_grads(self.gpt, bool(self.config.qk_layernorm))
+            reduce_tied_embedding_grads(self.gpt)
         if params is None:
             params = [p for p in self.gpt.parameters() if p.requires_grad]
         grad_attr = "main_grad" if self.cuda else "grad"
