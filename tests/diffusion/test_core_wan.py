@@ -7,13 +7,17 @@ the decoded filmstrips ``[3, H, frames * W]`` on the wire with their real shapes
 diffusion backend (the transformer alone: re-scored latents, transformer-only weight updates and
 checkpoints), exported as a whole diffusers directory that diffusers' ``WanPipeline`` loads.
 
-The recipe is "verified" (a complete 40-step curve through ``miles run``, docs/diffusion.md); no
-bit-for-bit standard of the core-loop run is committed: these tests check what the loop does.
+Standards (``tests/diffusion/standards/wan_flow_grpo_proxy_core*.json``, the convention of
+``test_core_sd3.py``): the whole 40-step recipe through the CLI, every registered metric bit for bit
+(``-m extended``), and its first 3 steps, which the default run's 3-step run must equal; then
+``--resume`` from step 2's checkpoint redoes step 2 bit for bit. Regenerate:
+``uv run python -m tests.diffusion.test_core_wan``.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,11 +34,29 @@ from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wan import WanFlowModel
 from miles_diffusion.wire import unpack
 
+from ._standards import assert_matches_standard, write_standard
+
 pytestmark = pytest.mark.slow
 
 RECIPE = "wan_flow_grpo_proxy"
 STEPS = 3
-SAVE_EVERY = 2
+SAVE_EVERY = 2  # also the step --resume restarts from
+WHOLE = 40  # the recipe's own run.num_steps
+STANDARD = "wan_flow_grpo_proxy_core"  # the whole recipe through miles run (compared with -m extended)
+CUT_STANDARD = "wan_flow_grpo_proxy_core_cut3"  # its first 3 steps (compared in the default run)
+# What a resumed step must reproduce exactly (wall-clock times and process counters aside).
+REPEATED = (
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "advantages/mean_raw",
+    "train/loss",
+    "train/grad_norm",
+    "train/clip_fraction",
+    "train/approx_kl_old",
+    "train/rollout_log_prob_mean",
+    "train/logprob_mismatch_max",
+    "engine/weight_version",
+)
 TEXTS = (
     "a red balloon drifting over a city",
     "waves rolling onto a beach at sunset",
@@ -94,7 +116,11 @@ def test_the_engine_serves_video_latents_and_filmstrips_the_trainer_rescores_exa
     )
 
 
-def test_miles_run_trains_checkpoints_and_exports_the_wan_proxy(tmp_path: Path) -> None:
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_miles_run_trains_resumes_and_exports_the_wan_proxy(tmp_path: Path) -> None:
     from diffusers import WanPipeline
     from safetensors.torch import load_file
 
@@ -104,10 +130,11 @@ def test_miles_run_trains_checkpoints_and_exports_the_wan_proxy(tmp_path: Path) 
         f"run.save_every={SAVE_EVERY}",
         "tracking.console=false",
     ]
-    result = _miles("run", RECIPE, *(a for o in overrides for a in ("--set", o)))
-    assert f"recipe {RECIPE}: evidence level verified" in result.stderr
+    args = ["run", RECIPE, *(a for o in overrides for a in ("--set", o))]
+    result = _miles(*args)
+    assert f"recipe {RECIPE}: evidence level proxy gated" in result.stderr
     run_dir = tmp_path / RECIPE
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert [r["engine/weight_version"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["train/trajectories"] == 16 and 0.0 < r["rollout/reward_mean"] < 1.0 for r in rows)
@@ -116,6 +143,8 @@ def test_miles_run_trains_checkpoints_and_exports_the_wan_proxy(tmp_path: Path) 
     assert all(r["train/logprob_mismatch_max"] == 0.0 for r in rows)
     assert len({r["rollout/reward_mean"] for r in rows}) == STEPS
     assert len({r["train/loss"] for r in rows}) == STEPS
+    # Every registered metric equals the first 3 steps of the whole recipe's standard, bit for bit.
+    assert_matches_standard(CUT_STANDARD, rows)
 
     # Checkpoints and updates carry the transformer alone.
     checkpoint = run_dir / "checkpoints" / f"step_{SAVE_EVERY:06d}" / "trainer"
@@ -146,3 +175,34 @@ def test_miles_run_trains_checkpoints_and_exports_the_wan_proxy(tmp_path: Path) 
         )
     )
     assert set(last) == set(trained) and all(torch.equal(last[k], t) for k, t in trained.items())
+
+    # --resume from step 2's checkpoint redoes step 2 bit for bit.
+    (run_dir / "checkpoints" / "latest").write_text(f"step_{SAVE_EVERY:06d}")
+    _miles(*args, "--resume")
+    resumed = _rows(run_dir)
+    assert [r["step"] for r in resumed] == list(range(STEPS))
+    for before, after in zip(rows[SAVE_EVERY:], resumed[SAVE_EVERY:], strict=True):
+        assert {k: after[k] for k in REPEATED} == {k: before[k] for k in REPEATED}
+
+
+def whole_run(output_dir: Path) -> list[dict[str, float]]:
+    """The shipped recipe as it is (40 steps, its seeds, one torch thread); only where it writes and
+    the console differ, neither of which touches a number."""
+    overrides = [f"run.output_dir={output_dir}", "tracking.console=false"]
+    _miles("run", RECIPE, *(a for o in overrides for a in ("--set", o)))
+    return _rows(output_dir / RECIPE)
+
+
+@pytest.mark.extended
+def test_the_whole_recipe_matches_its_standard_bit_for_bit(tmp_path: Path) -> None:
+    rows = whole_run(tmp_path)
+    assert [r["step"] for r in rows] == list(range(WHOLE))
+    assert [r["engine/weight_version"] for r in rows] == list(range(1, WHOLE + 1))
+    assert_matches_standard(STANDARD, rows)
+
+
+if __name__ == "__main__":  # regenerate the standards: uv run python -m tests.diffusion.test_core_wan
+    with tempfile.TemporaryDirectory() as out:
+        history = whole_run(Path(out))
+    print(f"wrote {write_standard(STANDARD, history)}")
+    print(f"wrote {write_standard(CUT_STANDARD, history[:STEPS])}")
