@@ -54,6 +54,7 @@ def test_a_cpu_checkpoint_resumes_bit_for_bit_and_a_cuda_one_is_refused(tmp_path
     assert sorted(p.name for p in (tmp_path / "ckpt" / "cpu" / "rank00000").iterdir()) == [
         "model.safetensors",
         "optimizer.pt",
+        "param_names.json",  # the optimizer's parameters by name (a resume under another PP reads by name)
     ]
     resumed = MegatronBackend()
     resumed.setup(_spec(path))

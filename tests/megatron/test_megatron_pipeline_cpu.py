@@ -113,9 +113,33 @@ def test_pp_refusals_in_one_line(tmp_path):
         MegatronBackend().setup(_spec(_checkpoint(tmp_path), num_ranks=3, pipeline_parallel=3))
 
 
-def test_pp2_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path):
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _exported(directory) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+def _resume(path, ckpt, batch, out, **megatron) -> float:
+    """Load ``ckpt`` under ``megatron``'s layout, take one step on ``batch``, export to ``out``: the step's loss."""
+    backend = MegatronBackend()
+    backend.setup(_spec(path, **megatron))
+    try:
+        backend.load_checkpoint(str(ckpt))
+        loss = backend.train_step(batch)["train/loss"]
+        backend.export_hf(str(out))
+        return float(loss)
+    finally:
+        backend.shutdown()
+
+
+def test_pp2_checkpoint_resumes_exactly_and_on_other_layouts(tmp_path):
     """Each stage's ranks save their own files; resumed on PP = 2 the next step's loss and the weights
-    after it equal the uninterrupted run's bit for bit; one rank (PP = 1) refuses it in one line."""
+    after it equal the uninterrupted run's bit for bit; resumed on one rank (PP = 1) and on PP = 2 x TP = 2
+    (each rank's tensors and AdamW state found by name in the saved stages, ``reshard_stages``) they agree
+    within float rounding; a checkpoint without its parameter names is refused in one line."""
     path = _checkpoint(tmp_path)
     batches = [make_batch(n=5, seed=80 + i) for i in range(3)]
     pp2 = dict(num_ranks=2, pipeline_parallel=2)
@@ -132,24 +156,41 @@ def test_pp2_checkpoint_resumes_exactly_and_another_layout_is_refused(tmp_path):
     finally:
         first.shutdown()
     assert sorted(p.name for p in (ckpt / "cpu").iterdir()) == ["rank00000", "rank00001"]
-    resumed = MegatronBackend()
-    resumed.setup(_spec(path, **pp2))
-    try:
-        resumed.load_checkpoint(str(ckpt))
-        assert resumed.train_step(batches[2])["train/loss"] == losses[2]
-        resumed.export_hf(str(tmp_path / "resumed"))
-    finally:
-        resumed.shutdown()
-    want, got = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("first", "resumed"))
-    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    want = _exported(tmp_path / "first")
+    assert _resume(path, ckpt, batches[2], tmp_path / "same", **pp2) == losses[2]
+    got = _exported(tmp_path / "same")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    for name, layout in (("one", {}), ("pp2-tp2", dict(num_ranks=4, pipeline_parallel=2, tensor_parallel=2))):
+        assert abs(_resume(path, ckpt, batches[2], tmp_path / name, **layout) - losses[2]) < 1e-5, name
+        assert _max_diff(_exported(tmp_path / name), want) < 1e-5, name
+    (ckpt / "cpu" / "rank00001" / "param_names.json").unlink()
     one = MegatronBackend()
     one.setup(_spec(path))
     try:
-        with pytest.raises(ComponentError, match=r"resumes on its own layout only") as err:
+        with pytest.raises(ComponentError, match=r"does not record its ranks' parameter names") as err:
             one.load_checkpoint(str(ckpt))
         assert "\n" not in str(err.value)
     finally:
         one.shutdown()
+
+
+def test_a_tied_one_rank_checkpoint_resumes_on_two_stages(tmp_path):
+    """A tied model saved on one rank resumes on PP = 2: the last stage's copy of the embedding (and its
+    AdamW state) is read from the saved embedding; the next step's loss and weights are one rank's."""
+    path = _checkpoint(tmp_path, tied=True)
+    batches = [make_batch(n=5, seed=90 + i) for i in range(2)]
+    first = MegatronBackend()
+    first.setup(_spec(path))
+    try:
+        first.train_step(batches[0])
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        loss = first.train_step(batches[1])["train/loss"]
+        first.export_hf(str(tmp_path / "first"))
+    finally:
+        first.shutdown()
+    pp2 = dict(num_ranks=2, pipeline_parallel=2)
+    assert abs(_resume(path, tmp_path / "ckpt", batches[1], tmp_path / "pp2", **pp2) - loss) < 1e-5
+    assert _max_diff(_exported(tmp_path / "pp2"), _exported(tmp_path / "first")) < 1e-5
 
 
 def test_miles_run_with_pp2_passes_the_weight_equality_check(tmp_path, monkeypatch):

@@ -152,15 +152,21 @@ def test_tp2_checkpoint_resumes_on_one_rank_dp2_and_back_on_tp2(tmp_path):
     assert SHAPE["num_key_value_heads"] == 2  # two query groups: one per TP rank
 
 
-def test_a_layout_with_pp_is_refused_in_one_line(tmp_path):
-    """CPU launches no PP / CP / EP layout, so a checkpoint under one does not reshard."""
+def test_a_layout_with_cp_is_refused_in_one_line_and_pp_goes_by_name(tmp_path):
+    """CPU launches no CP / EP layout, so a checkpoint under one does not reshard; a PP change is read by
+    name (``reshard_stages``, tested in test_megatron_pipeline_cpu.py), never by ``CPUReshard``."""
     from miles.errors import ComponentError
     from miles_megatron.layout import ParallelLayout
     from miles_megatron.reshard import CPUReshard
 
     one = ParallelLayout(world=1, tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, edp=1)
+    cp2 = ParallelLayout(world=2, tp=1, pp=1, cp=2, ep=1, etp=1, dp=1, edp=1)
     pp2 = ParallelLayout(world=2, tp=1, pp=2, cp=1, ep=1, etp=1, dp=1, edp=1)
-    with pytest.raises(ComponentError, match="reshard across tensor- and data-parallel sizes only"):
+    with pytest.raises(
+        ComponentError, match="reshard across tensor-, pipeline- and data-parallel sizes only"
+    ):
+        CPUReshard(str(tmp_path), cp2, one, 0)
+    with pytest.raises(ComponentError, match="read by name"):
         CPUReshard(str(tmp_path), pp2, one, 0)
 
 
@@ -248,7 +254,7 @@ def test_a_critic_checkpoint_reshards_with_the_policy(tmp_path):
     assert got[0]["critic/grad_norm"] == pytest.approx(want[0]["critic/grad_norm"], rel=1e-5)
 
 
-def test_a_resume_may_change_tp_and_the_rank_count_only():
+def test_a_resume_may_change_tp_pp_and_the_rank_count_only():
     from miles.config.resume import check_resume_changes
     from miles.errors import ConfigError
     from miles_megatron.hooks import RESUME_MUTABLE
@@ -257,8 +263,10 @@ def test_a_resume_may_change_tp_and_the_rank_count_only():
     old = {"megatron": {"device": "cpu", "num_ranks": 2, "tensor_parallel": 2, "pipeline_parallel": 1}}
     new = {"megatron": {"device": "cpu", "num_ranks": 1, "tensor_parallel": 1, "pipeline_parallel": 1}}
     assert set(check_resume_changes(old, new, mutable)) == {"megatron.num_ranks", "megatron.tensor_parallel"}
-    with pytest.raises(ConfigError, match=r"--resume cannot change megatron\.pipeline_parallel"):
-        check_resume_changes(old, {"megatron": dict(new["megatron"], pipeline_parallel=2)}, mutable)
+    changed = check_resume_changes(old, {"megatron": dict(new["megatron"], pipeline_parallel=2)}, mutable)
+    assert "megatron.pipeline_parallel" in set(changed)
+    with pytest.raises(ConfigError, match=r"--resume cannot change megatron\.context_parallel"):
+        check_resume_changes(old, {"megatron": dict(new["megatron"], context_parallel=2)}, mutable)
 
 
 @pytest.mark.extended

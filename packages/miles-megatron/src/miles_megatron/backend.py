@@ -354,11 +354,17 @@ class MegatronBackend:
             marker = json.load(f)
         saved_lora = marker.get("lora")
         if self.options is not None and self.options.device == "cpu" and self.layout is not None:
-            from miles_megatron.reshard import reshard_problem, saved_layout
+            from miles_megatron.reshard import reshard_problem, same_layout, saved_layout
+            from miles_megatron.reshard_stages import crosses_stages, names_problem
 
-            problem = reshard_problem(saved_layout(marker), self.layout)  # before any rank reads a file
+            saved = saved_layout(marker)
+            problem = reshard_problem(saved, self.layout)  # before any rank reads a file
             if problem is not None:
                 raise ComponentError(f"checkpoint {directory} cannot be resharded: {problem}")
+            if not same_layout(saved, self.layout) and crosses_stages(saved, self.layout):
+                problem = names_problem(directory, saved)
+                if problem is not None:
+                    raise ComponentError(problem)
         # A LoRA checkpoint resumes only as the same adapter on the same base (checked before any rank reads it).
         lora_mod.check_checkpoint(
             saved_lora, self.adapter_plans or self.lora_plan, self.spec.model_path, directory

@@ -70,6 +70,16 @@ def local_name(
     return name
 
 
+def global_name(model: HFModel, layout: ParallelLayout, local: str, pp_rank: int) -> str:
+    """The whole model's name of ``local`` as pipeline stage ``pp_rank`` names it (the inverse of
+    :func:`local_name` for a dense model: its layer numbered back from the stage's first)."""
+    m = _LAYER.match(local)
+    if m is None:
+        return local
+    start = stage_layers(layout, model.num_layers, pp_rank).start
+    return f"decoder.layers.{int(m.group(1)) + start}." + local[m.end() :]
+
+
 def shard_for_rank(
     model: HFModel, layout: ParallelLayout, rank: int, full: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:

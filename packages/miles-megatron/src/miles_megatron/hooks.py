@@ -16,7 +16,7 @@ from miles.config.sections import ConfigSection
 from miles.errors import ConfigError
 from miles_megatron.config import MegatronOptions
 
-RESUME_MUTABLE = frozenset({"num_ranks", "tensor_parallel"})
+RESUME_MUTABLE = frozenset({"num_ranks", "tensor_parallel", "pipeline_parallel"})
 
 
 @hookimpl
@@ -26,8 +26,8 @@ def miles_config_sections() -> list[ConfigSection]:
             name="megatron",
             model=MegatronOptions,
             description="Megatron-core training backend: parallel layout (TP, PP, CP, EP, ETP), device",
-            # A resume may change the TP / DP layout: the trainer reshards its checkpoint (or refuses
-            # what it cannot reshard in one line: a PP > 1 checkpoint resumes on its own layout only).
+            # A resume may change the TP / PP / DP layout: the trainer reshards its checkpoint (or refuses
+            # what it cannot reshard in one line: CP / EP layouts).
             resume_mutable=RESUME_MUTABLE,
         )
     ]

@@ -28,9 +28,9 @@ parameter in each rank's bucket files) reshards the same way, one parameter at a
 run's own buckets (:meth:`CPUReshard.streamed`).
 
 What it takes: both layouts with PP = CP = EP = 1 and ETP = TP, any TP that the model's heads divide,
-and any DP. A checkpoint written with pipeline stages (PP > 1: each rank's files hold its stage's layers,
-numbered from 0 inside the stage, and the AdamW state of those alone) resumes on its own layout only;
-``reshard_problem`` says so in one line, and the backend asks it before any rank reads a file.
+and any DP. A change that involves pipeline stages (either layout with PP > 1: tensors renamed per stage)
+is read by name instead (``miles_megatron.reshard_stages``). ``reshard_problem`` refuses what neither
+reads in one line, and the backend asks it before any rank reads a file.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from miles_megatron.streaming import StreamingAdamW
 Replicated = Callable[[str], bool]
 
 
-def _never(name: str) -> bool:
+def never_replicated(name: str) -> bool:
     return False
 
 
@@ -81,11 +81,10 @@ def reshard_problem(saved: ParallelLayout, layout: ParallelLayout) -> str | None
     if same_layout(saved, layout):
         return None
     for name, lay in (("written", saved), ("resumed", layout)):
-        if (lay.pp, lay.cp, lay.ep, lay.etp) != (1, 1, 1, lay.tp):
+        if (lay.cp, lay.ep, lay.etp) != (1, 1, lay.tp):
             return (
-                f"the layout it is {name} under has PP={lay.pp}, CP={lay.cp}, EP={lay.ep}, ETP={lay.etp}; "
-                "CPU checkpoints reshard across tensor- and data-parallel sizes only (PP = CP = EP = 1, ETP = TP), "
-                "and one written with pipeline stages resumes on its own layout only (the same num_ranks, TP and PP)"
+                f"the layout it is {name} under has CP={lay.cp}, EP={lay.ep}, ETP={lay.etp}; CPU checkpoints "
+                "reshard across tensor-, pipeline- and data-parallel sizes only (CP = EP = 1, ETP = TP)"
             )
     return None
 
@@ -114,7 +113,7 @@ def lora_dim(name: str) -> int | None:
     return None
 
 
-def _reshard(
+def reshard_tensor(
     name: str, shards: list[torch.Tensor], tp: int | None, tp_rank: int, replicated: Replicated
 ) -> torch.Tensor:
     """``name``'s shard ``tp_rank`` of ``tp`` from the saved TP ``shards`` (``tp`` None: the one shard as it is)."""
@@ -141,6 +140,11 @@ class CPUReshard:
         problem = reshard_problem(saved, layout)
         if problem is not None:
             raise ComponentError(f"checkpoint {directory} cannot be resharded: {problem}")
+        if saved.pp != 1 or layout.pp != 1:  # names (and the optimizer's order) change between stages
+            raise ComponentError(
+                f"checkpoint {directory}: a change with pipeline stages is read by name "
+                "(miles_megatron.reshard_stages.StageReshard), not by CPUReshard"
+            )
         self.directory, self.saved, self.layout = directory, saved, layout
         self.tp_rank = layout.coords(rank).tp
         # The same TP size: only the saved rank of this TP index is read (a DP change), bit for bit.
@@ -158,17 +162,19 @@ class CPUReshard:
         sources = [os.path.join(self.directory, "streaming", f"rank{s:05d}") for s in self.sources]
 
         def one(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-            return _reshard(name, shards, self.tp, self.tp_rank, _never)
+            return reshard_tensor(name, shards, self.tp, self.tp_rank, never_replicated)
 
         optimizer.load_resharded(sources, one, f"checkpoint {self.directory}")
 
-    def tensors(self, weights_file: str, replicated: Replicated = _never) -> dict[str, torch.Tensor]:
+    def tensors(
+        self, weights_file: str, replicated: Replicated = never_replicated
+    ) -> dict[str, torch.Tensor]:
         """This rank's model tensors from the saved ranks' ``weights_file`` (safetensors)."""
         from safetensors.torch import load_file
 
         saved = [load_file(self._path(s, weights_file)) for s in self.sources]
         return {
-            name: _reshard(name, [s[name] for s in saved], self.tp, self.tp_rank, replicated)
+            name: reshard_tensor(name, [s[name] for s in saved], self.tp, self.tp_rank, replicated)
             for name in saved[0]
         }
 
@@ -177,7 +183,7 @@ class CPUReshard:
         optimizer_file: str,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        replicated: Replicated = _never,
+        replicated: Replicated = never_replicated,
     ) -> dict[str, Any]:
         """A state dict for this rank's ``optimizer`` (torch's AdamW over ``model``) from the saved ranks'."""
         # weights_only: a checkpoint file never runs code when it is read.
@@ -201,7 +207,7 @@ class CPUReshard:
             entry: dict[str, Any] = {}
             for key, value in first["state"][index].items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    value = _reshard(
+                    value = reshard_tensor(
                         name, [s["state"][index][key] for s in saved], self.tp, self.tp_rank, replicated
                     )
                     if value.shape != params[name].shape:

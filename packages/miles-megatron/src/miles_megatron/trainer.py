@@ -795,6 +795,12 @@ class MegatronTrainer:
                 torch.save(optimizer.state_dict(), os.path.join(directory, f"optimizer-{name}.pt"))
             return
         torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
+        # The optimizer's parameter names by index: a resume under another PP reads its state by name.
+        from miles_megatron.reshard import param_names
+        from miles_megatron.reshard_stages import NAMES_FILE
+
+        with open(os.path.join(directory, NAMES_FILE), "w") as f:
+            json.dump(param_names(self.gpt, self.optimizer), f)
 
     def _load_cpu(self, directory: str) -> None:
         from safetensors.torch import load_file
@@ -815,7 +821,16 @@ class MegatronTrainer:
         """This rank's shards rebuilt from a CPU checkpoint written under another TP / DP layout
         (``miles_megatron.reshard``), the critic's with it (a LoRA checkpoint: the adapter's)."""
         from miles_megatron.reshard import CPUReshard
+        from miles_megatron.reshard_stages import StageReshard, crosses_stages
 
+        if crosses_stages(saved, self.layout):  # tensors renamed per stage: read by name
+            stages = StageReshard(directory, saved, self.layout, self.rank, self.hf)
+            names = [k for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)]
+            tensors = stages.tensors("model.safetensors", names)
+            self._apply_cpu(
+                directory, tensors, stages.optimizer_state("optimizer.pt", self.gpt, self.optimizer)
+            )
+            return
         reshard = CPUReshard(directory, saved, self.layout, self.rank)
         tensors = reshard.tensors("model.safetensors")
         if self.multi:
