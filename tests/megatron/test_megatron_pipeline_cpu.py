@@ -211,3 +211,18 @@ def test_miles_run_with_pp2_passes_the_weight_equality_check(tmp_path, monkeypat
     assert all(r["train/grad_norm"] > 0 for r in rows)
     assert all(r["correction/abs_dev"] < 1e-4 for r in rows)
     assert [r["engine/weight_version"] for r in rows] == [1, 2]
+
+
+@pytest.mark.extended
+def test_miles_run_resumes_a_pp2_run_on_one_rank(tmp_path, monkeypatch):
+    """``miles run`` on PP = 2 saves at step 2; ``--resume`` on one rank (PP = 1) continues from it."""
+    from miles.loop import train
+
+    def config(steps: int, *layout: str):
+        return cpu_run_config(tmp_path, monkeypatch, steps, *layout)
+
+    train(config(3, "megatron.num_ranks=2", "megatron.pipeline_parallel=2"))
+    result = train(config(4), resume=True)
+    rows = read_rows(result.metrics_path)
+    assert [r["step"] for r in rows][-2:] == [2, 3]  # from the step-2 checkpoint, on one rank
+    assert rows[-1]["train/grad_norm"] > 0 and rows[-1]["correction/abs_dev"] < 1e-4
