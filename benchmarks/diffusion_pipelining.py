@@ -146,12 +146,13 @@ CONFIGS = {
 }
 
 
-def _options(config: Config, mode: str) -> dict[str, Any]:
+def _options(config: Config, mode: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     options: dict[str, Any] = {
         "num_steps": config.num_steps,
         "noise_level": 0.7,
         "seed": 0,
         "decode_workers": 2,
+        **(extra or {}),
     }
     if mode != "whole":
         options["microgroup_size"] = config.microgroup
@@ -160,17 +161,28 @@ def _options(config: Config, mode: str) -> dict[str, Any]:
     return options
 
 
-async def _bench_config(config: Config, url: str, steps: int) -> dict[str, Any]:
+async def _bench_config(
+    config: Config,
+    url: str,
+    steps: int,
+    *,
+    num_prompts: int | None = None,
+    extra_options: dict[str, Any] | None = None,
+    reward_fn: Any = None,
+) -> dict[str, Any]:
+    """``num_prompts``: prompt ids drawn (default: the tiny model's); ``extra_options``: more rollout
+    options (a text model's ``prompts``); ``reward_fn``: the reward (default: the config's)."""
     client = TimedClient(url)
     # One rollout per mode: a rollout called twice in a step draws fresh seeds (a refill), and the
     # modes must draw the same trajectories at each step.
     rollouts = {mode: DiffusionRollout() for mode in MODES}
-    reward = TimedReward(config.make_reward())
+    reward = TimedReward(reward_fn if reward_fn is not None else config.make_reward())
     times: dict[str, list[float]] = {m: [] for m in MODES}
     reward_s: dict[str, list[float]] = {m: [] for m in MODES}
     tail_s: dict[str, list[float]] = {m: [] for m in MODES}
     rewards: dict[str, list[float]] = {m: [] for m in MODES}
-    prompts = [Prompt(index=i, prompt=str(i % config.model.num_prompts)) for i in range(config.prompts)]
+    ids = num_prompts or config.model.num_prompts
+    prompts = [Prompt(index=i, prompt=str(i % ids)) for i in range(config.prompts)]
     try:
         for step in range(steps + 1):  # step 0 warms every mode up (decode workers start, caches fill)
             order = MODES[step % 3 :] + MODES[: step % 3]
@@ -181,7 +193,7 @@ async def _bench_config(config: Config, url: str, steps: int) -> dict[str, Any]:
                     sampling=SamplingParams(),
                     n_samples_per_prompt=config.group,
                     reward=reward,
-                    options=_options(config, mode),
+                    options=_options(config, mode, extra_options),
                     step=step,
                 )
                 reward.seconds = 0.0

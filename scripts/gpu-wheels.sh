@@ -8,7 +8,7 @@ NEEDED="pluggy stevedore click rich markdown-it-py mdurl pygments pydantic pydan
 typing-inspection pyyaml httpx httpcore h11 anyio sniffio idna certifi fastapi starlette uvicorn
 annotated-doc pytest-timeout aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
 opentelemetry-api importlib-metadata zipp xxhash zstandard orjson
-trl datasets dill multiprocess megatron-core"
+trl datasets dill multiprocess megatron-core diffusers"
 rm -rf .whl && mkdir -p .whl
 uv build --all-packages --wheel -o .whl -q
 for d in tests/plugins/*/; do uv build --wheel -o .whl -q "$d"; done

@@ -58,6 +58,9 @@ def test_a_builtin_model_name_two_distributions_declare_is_refused(fake_site) ->
         (["algorithm.correction=tis"], "cannot run algorithm.correction"),
         (["weight_sync.check_equal=true"], "no /weights_checker"),
         (["engine.dtype=bfloat16"], "other than float32"),
+        # A per-engine option must not slip past what the run-wide setting is refused for.
+        (["engine.options.dtype=bfloat16"], "engine.options.dtype 'bfloat16'"),
+        (["engine.options.device=cuda"], "engine.options.device 'cuda'"),
         (["train.warmup_steps=3"], "constant learning rate"),
         (["data.path=prompts.jsonl"], "takes ids:N"),
         (["mode=sft"], "'flow_grpo' is a rollout objective"),

@@ -51,7 +51,8 @@ from miles_diffusion import lora as lora_mod
 from miles_diffusion.config import SECTION, DiffusionSection
 from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.deterministic import check_attention_backends, deterministic_mode
-from miles_diffusion.families import check_core_path, load_model
+from miles_diffusion.families import check_core_path, check_family_guidance, load_model
+from miles_diffusion.guidance import GuidanceError
 from miles_diffusion.image_data import IMAGE_SAMPLES
 from miles_diffusion.losses import ObjectiveLoss
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, load_pretrained, save_pretrained
@@ -132,9 +133,10 @@ class DiffusionBackend:
         if section.deterministic:
             self._stack.enter_context(deterministic_mode(spec.seed))
         try:
-            check_core_path(
-                spec.model_path
-            )  # the families the engine and backend serve (tiny UNet, sd3, wan)
+            # the families the engine and backend serve (tiny UNet, sd3, wan); guidance needs an
+            # unconditional branch: both judged from the directory, before loading
+            family = check_core_path(spec.model_path)
+            check_family_guidance(family, self._sampler.guidance_scale)
         except ValueError as exc:
             raise ConfigError(f"{WHO}: {exc}") from None
         try:
@@ -162,7 +164,10 @@ class DiffusionBackend:
             betas=train.betas,
             eps=train.eps,
         )
-        objective = build_objective(loss.config, ObjectiveContext(model, trainer, self._sampler))
+        try:
+            objective = build_objective(loss.config, ObjectiveContext(model, trainer, self._sampler))
+        except GuidanceError as exc:  # an objective that does not train on guided samples
+            raise ConfigError(f"{WHO}: {exc} (rollout.options.guidance_scale)") from None
         if isinstance(objective, SupervisedObjective):  # mode: sft, on the batches of an image source
             if not isinstance(model, FlowModel):
                 raise ConfigError(
@@ -223,7 +228,9 @@ class DiffusionBackend:
         # The engine-trainer gap before any update: the engine sampled each group as its own batch,
         # the trainer scores the whole step's batch at once, and the two forward passes may round apart.
         with torch.no_grad():
-            first = step_log_prob(model, trajectory, 0, self._sampler.noise_level)[0]
+            first = step_log_prob(
+                model, trajectory, 0, self._sampler.noise_level, self._sampler.guidance_scale
+            )[0]
         mismatch = float((first - trajectory.log_probs[:, 0]).abs().max())
         advantages = torch.tensor([_one(row, s) for row, s in zip(batch.advantages, samples, strict=True)])
         rewards = torch.tensor(

@@ -65,6 +65,7 @@ def check_recipe(config: Any) -> None:
     _refuse_unwired(config)
     _refuse_token_settings(config)
     text_family = _check_prompt_texts(config)
+    _check_guidance(config)
     if config.lora is not None:
         if text_family:
             raise ConfigError("lora: the diffusion slice trains LoRA adapters on the tiny UNet only so far")
@@ -102,6 +103,25 @@ def _check_prompt_texts(config: Any) -> bool:
             f"{len(texts)} texts; draw one id per text (data.path: ids:{len(texts)})"
         )
     return True
+
+
+def _check_guidance(config: Any) -> None:
+    """``rollout.options.guidance_scale`` above 1 needs a family with an unconditional branch (sd3,
+    wan; judged from the directory) and an objective that trains on guided samples (flow_grpo)."""
+    from miles.models.registry import resolve_model
+    from miles_diffusion.families import check_family_guidance, family_for
+    from miles_diffusion.guidance import NO_GUIDANCE, GuidanceError
+    from miles_diffusion.objectives import check_guidance, objective_config
+
+    scale = (config.rollout.options or {}).get("guidance_scale", NO_GUIDANCE)
+    try:
+        check_family_guidance(family_for(resolve_model(config.model.path)), scale)
+        loss = load_component("loss", config.algorithm.loss) if config.algorithm.loss else None
+        name = getattr(loss, "objective", None)
+        if isinstance(name, str):
+            check_guidance(objective_config(name, {}), scale)
+    except GuidanceError as exc:
+        raise ConfigError(f"rollout.options.guidance_scale: {exc}") from None
 
 
 def _check_lora(config: Any) -> None:
@@ -144,6 +164,15 @@ def _refuse_unwired(config: Any) -> None:
             "an engine dtype other than float32 (engine and trainer log-probabilities must agree)",
         ),
         (
+            config.engine.options.get("device") not in (None, "cpu"),
+            f"engine.options.device {config.engine.options.get('device')!r} (engine and trainer run on the CPU)",
+        ),
+        (
+            config.engine.options.get("dtype") not in (None, "float32"),
+            f"engine.options.dtype {config.engine.options.get('dtype')!r} (engine and trainer log-probabilities "
+            "must agree)",
+        ),
+        (
             config.weight_sync.check_equal,
             "weight_sync.check_equal (the diffusion engine has no /weights_checker)",
         ),
@@ -173,7 +202,7 @@ def _refuse_token_settings(config: Any) -> None:
     if set_here:
         raise ConfigError(
             f"rollout.{set_here[0]} is a token setting the diffusion rollout does not read; remove it (sampling is "
-            "rollout.options: num_steps, noise_level, seed)"
+            "rollout.options: num_steps, noise_level, seed, guidance_scale)"
         )
     train = config.train
     if "micro_batch_size" in train.model_fields_set:

@@ -8,7 +8,9 @@ A family recognises its directories by their files (``detect``) and loads one in
 - ``sd3``: a diffusers directory whose ``model_index.json`` names ``StableDiffusion3Pipeline``
   (SD3 / SD3.5, :mod:`miles_diffusion.sd3`; its recipes give the prompt texts);
 - ``wan``: a diffusers directory whose ``model_index.json`` names ``WanPipeline`` (Wan 2.x
-  text-to-video, :mod:`miles_diffusion.wan`; the driver and the core path both serve it).
+  text-to-video, :mod:`miles_diffusion.wan`; the driver and the core path both serve it);
+- ``qwen-image``: a diffusers directory whose ``model_index.json`` names ``QwenImagePipeline``
+  (Qwen-Image text-to-image, :mod:`miles_diffusion.qwen_image`).
 
 Any other directory, a diffusers pipeline of another class included, is refused with one error
 naming what is supported. ``register_family`` adds one (a plug-in registers at import).
@@ -35,6 +37,9 @@ class ModelFamily:
     """(directory, precision, prompt texts) -> the model, in eval mode."""
     text_prompts: bool
     """Whether prompts are texts (the recipe's ``prompts:`` list) rather than bare ids."""
+    unconditional: bool = False
+    """Whether the family has an unconditional branch for classifier-free guidance (its models'
+    ``has_unconditional``): known from the directory, so a guidance scale is judged before loading."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -86,6 +91,20 @@ def _detect_wan(path: Path) -> bool:
     return is_wan_directory(path)
 
 
+def _load_qwen_image(
+    path: Path, precision: PrecisionConfig | None, prompts: tuple[str, ...]
+) -> DiffusionModel:
+    from miles_diffusion.qwen_image import load_qwen_image
+
+    return load_qwen_image(path, precision, prompts)
+
+
+def _detect_qwen_image(path: Path) -> bool:
+    from miles_diffusion.qwen_image import is_qwen_image_directory
+
+    return is_qwen_image_directory(path)
+
+
 register_family(
     ModelFamily(
         "tiny-flow-unet",
@@ -102,6 +121,7 @@ register_family(
         _detect_sd3,
         _load_sd3,
         text_prompts=True,
+        unconditional=True,
     )
 )
 register_family(
@@ -111,6 +131,17 @@ register_family(
         _detect_wan,
         _load_wan,
         text_prompts=True,
+        unconditional=True,
+    )
+)
+register_family(
+    ModelFamily(
+        "qwen-image",
+        "a diffusers directory whose model_index.json names QwenImagePipeline",
+        _detect_qwen_image,
+        _load_qwen_image,
+        text_prompts=True,
+        unconditional=True,
     )
 )
 
@@ -173,11 +204,21 @@ def load_model(
     return family.load(Path(directory).expanduser(), precision, tuple(prompts))
 
 
-def load_for_engine(directory: str | Path) -> tuple[ModelFamily, DiffusionModel]:
+def check_family_guidance(family: ModelFamily, guidance_scale: float) -> None:
+    """Refuse a guidance scale above 1 for a family with no unconditional branch (before loading)."""
+    from miles_diffusion.guidance import check_unconditional
+
+    check_unconditional(f"the {family.name} family", family.unconditional, guidance_scale)
+
+
+def load_for_engine(
+    directory: str | Path, precision: PrecisionConfig | None = None
+) -> tuple[ModelFamily, DiffusionModel]:
     """The model an engine serves: a text family is loaded without a prompt list (each request
-    brings the texts of its prompt ids, and the engine encodes those)."""
+    brings the texts of its prompt ids, and the engine encodes those). ``precision``: the forward
+    pass's compute dtype (default FP32)."""
     family = family_for(directory)
-    return family, family.load(Path(directory).expanduser(), None, ())
+    return family, family.load(Path(directory).expanduser(), precision, ())
 
 
 CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3", "wan"})
@@ -187,6 +228,7 @@ _BUILTIN_ARCHITECTURES = {
     "MilesTinyFlowUNet": "tiny-flow-unet",
     "StableDiffusion3Pipeline": "sd3",
     "WanPipeline": "wan",
+    "QwenImagePipeline": "qwen-image",
 }
 """The family of a built-in diffusion model, by its declared architecture (judged without building it)."""
 

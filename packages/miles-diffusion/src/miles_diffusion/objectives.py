@@ -98,6 +98,24 @@ class ObjectiveConfig(Protocol):
     name: ClassVar[str]
 
 
+def check_guidance(config: ObjectiveConfig, guidance_scale: float) -> None:
+    """Refuse a guidance scale above 1 for an objective that does not train on guided samples.
+
+    An objective config declares ``guidance: ClassVar[str | None]``: ``None`` when it trains correctly
+    on trajectories sampled with classifier-free guidance, else why not. One that declares nothing
+    (a plug-in written before guidance existed) is refused too: it never said it re-scores guided steps."""
+    from miles_diffusion.guidance import NO_GUIDANCE, GuidanceError
+
+    if guidance_scale == NO_GUIDANCE:
+        return
+    reason = getattr(type(config), "guidance", "it does not declare support for guided samples")
+    if reason is not None:
+        raise GuidanceError(
+            f"guidance_scale {guidance_scale} with objective {config.name!r}: {reason}; set guidance_scale "
+            "1.0 or use flow_grpo"
+        )
+
+
 @dataclass(frozen=True)
 class ObjectiveContext:
     model: DiffusionModel
@@ -142,7 +160,9 @@ def _load_builtins() -> None:
     from miles_diffusion.trainer import FlowGRPOTrainer
 
     def flow_grpo(config: FlowGRPOConfig, ctx: ObjectiveContext) -> Objective:
-        return FlowGRPOTrainer(ctx.model, config, ctx.trainer, ctx.sampler.noise_level)
+        return FlowGRPOTrainer(
+            ctx.model, config, ctx.trainer, ctx.sampler.noise_level, ctx.sampler.guidance_scale
+        )
 
     def diffusion_nft(config: DiffusionNFTConfig, ctx: ObjectiveContext) -> Objective:
         return DiffusionNFTTrainer(ctx.model, config, ctx.trainer)
@@ -184,4 +204,5 @@ def build_objective(config: ObjectiveConfig, context: ObjectiveContext) -> Objec
     entry = _entry(config.name)
     if not isinstance(config, entry.config_type):
         raise TypeError(f"objective {config.name!r} takes a {entry.config_type.__name__}")
+    check_guidance(config, context.sampler.guidance_scale)
     return entry.build(config, context)

@@ -16,8 +16,9 @@ import yaml
 
 from miles_diffusion.datasets import ShapesDatasetConfig
 from miles_diffusion.flow_grpo import FlowGRPOConfig
+from miles_diffusion.guidance import check_unconditional
 from miles_diffusion.model import TinyFlowModelConfig
-from miles_diffusion.objectives import ObjectiveConfig, TrainerConfig, objective_config
+from miles_diffusion.objectives import ObjectiveConfig, TrainerConfig, check_guidance, objective_config
 from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.sampler import SamplerConfig
 
@@ -64,6 +65,9 @@ class DiffusionRecipe:
             object.__setattr__(self, "prompts", tuple(str(p) for p in self.prompts))
             if isinstance(self.model, TinyFlowModelConfig):
                 raise ValueError("prompts: texts are for a model directory of a text family (e.g. sd3)")
+        check_guidance(self.objective, self.sampler.guidance_scale)
+        if isinstance(self.model, TinyFlowModelConfig):
+            check_unconditional("the tiny UNet (model: a shape)", False, self.sampler.guidance_scale)
         if self.trainer.fsdp_ranks > 1 and self.objective.name != FlowGRPOConfig.name:
             raise ValueError(
                 f"trainer.fsdp_ranks: FSDP2 data-parallel training is for flow_grpo only so far, "

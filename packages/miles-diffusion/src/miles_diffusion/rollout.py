@@ -54,6 +54,14 @@ class DiffusionRolloutOptions(ComponentOptions):
         0.7, gt=0.0, description="the SDE's noise scale (sigma_t = a sqrt(t / (1 - t)))"
     )
     seed: int = Field(0, ge=0, description="base of every trajectory's noise seed")
+    guidance_scale: float = Field(
+        1.0,
+        ge=1.0,
+        allow_inf_nan=False,
+        description="classifier-free guidance scale w (1: none): each step's velocity is v_uncond + "
+        "w (v_cond - v_uncond), both branches in one forward pass of twice the batch (sd3, wan); the "
+        "trainer re-scores with the same w",
+    )
     microgroup_size: int | None = Field(
         None,
         ge=1,
@@ -77,7 +85,11 @@ class DiffusionRolloutOptions(ComponentOptions):
 
     @property
     def sampler(self) -> SamplerConfig:
-        return SamplerConfig(num_steps=self.num_steps, noise_level=float(self.noise_level))
+        return SamplerConfig(
+            num_steps=self.num_steps,
+            noise_level=float(self.noise_level),
+            guidance_scale=float(self.guidance_scale),
+        )
 
 
 def trajectory_seed(base: int, step: int, prompt_index: int, attempt: int, sample: int) -> int:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from miles_diffusion.denoiser import linear_schedule
+from miles_diffusion.guidance import NO_GUIDANCE, check_model, check_scale, guided_velocity
 
 if TYPE_CHECKING:  # only for annotations (the decode workers import this module without diffusers)
     from miles_diffusion.denoiser import Conditioning, DiffusionModel
@@ -36,6 +37,12 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 class SamplerConfig:
     num_steps: int = 10
     noise_level: float = 0.7
+    guidance_scale: float = NO_GUIDANCE
+    """Classifier-free guidance scale ``w`` (>= 1; 1 is none): each step's velocity is
+    ``v_uncond + w (v_cond - v_uncond)``, two branches in one forward pass (:mod:`miles_diffusion.guidance`)."""
+
+    def __post_init__(self) -> None:
+        check_scale(self.guidance_scale, "sampler.guidance_scale")
 
 
 @dataclass(frozen=True)
@@ -75,17 +82,21 @@ def step_distribution(
     t_next: float,
     prompts: Conditioning,
     noise_level: float,
+    guidance_scale: float = NO_GUIDANCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean [B, C, H, W] and scalar std of the Gaussian for the step ``t -> t_next``.
 
-    ``prompts``: the prompt ids [B], or their encodings (:meth:`DiffusionModel.encode_prompts`)."""
+    ``prompts``: the prompt ids [B], or their encodings (:meth:`DiffusionModel.encode_prompts`);
+    ``guidance_scale``: the step's velocity is the guided one (:func:`guided_velocity`)."""
     dt = t - t_next
     batch = x_t.shape[0]
-    v = model(x_t, torch.full((batch,), t, dtype=x_t.dtype), prompts)
+    v = guided_velocity(
+        model, x_t, torch.full((batch,), t, dtype=x_t.dtype, device=x_t.device), prompts, guidance_scale
+    )
     sigma = noise_level * math.sqrt(t / max(1.0 - t, dt))
     drift = v + (sigma**2 / (2.0 * t)) * (x_t + (1.0 - t) * v)
     mean = x_t - dt * drift
-    std = torch.tensor(sigma * math.sqrt(dt), dtype=x_t.dtype)
+    std = torch.tensor(sigma * math.sqrt(dt), dtype=x_t.dtype, device=x_t.device)
     return mean, std
 
 
@@ -96,13 +107,18 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
 
 
 def step_log_prob(
-    model: DiffusionModel, trajectory: Trajectory, step: int, noise_level: float
+    model: DiffusionModel,
+    trajectory: Trajectory,
+    step: int,
+    noise_level: float,
+    guidance_scale: float = NO_GUIDANCE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Re-score recorded step ``step`` with ``model``: (log_prob [B], mean, std). Differentiable."""
+    """Re-score recorded step ``step`` with ``model``: (log_prob [B], mean, std). Differentiable.
+    ``guidance_scale`` must be the one the trajectory was sampled with."""
     t = float(trajectory.timesteps[step])
     t_next = float(trajectory.timesteps[step + 1])
     mean, std = step_distribution(
-        model, trajectory.latents[:, step], t, t_next, trajectory.prompts, noise_level
+        model, trajectory.latents[:, step], t, t_next, trajectory.prompts, noise_level, guidance_scale
     )
     return gaussian_log_prob(trajectory.latents[:, step + 1], mean, std), mean, std
 
@@ -150,16 +166,22 @@ def _sample(
     draw: Callable[[tuple[int, ...]], torch.Tensor],
     encoded: Conditioning | None = None,
 ) -> Trajectory:
+    check_model(model, config.guidance_scale)  # before any forward pass
     condition = prompts if encoded is None else encoded
     shape = (prompts.shape[0], *model.latent_shape)
     times = model.timestep_schedule(config.num_steps)
-    x = draw(shape)
+    # Noise is drawn on the CPU, from CPU generators, and moved: a seed gives the same noise on any
+    # device (CUDA generators draw other numbers), so a GPU engine's trajectories replay on a CPU.
+    device = next(model.parameters()).device
+    x = draw(shape).to(device)
     latents = [x]
     log_probs = []
     for i in range(config.num_steps):
         t, t_next = float(times[i]), float(times[i + 1])
-        mean, std = step_distribution(model, x, t, t_next, condition, config.noise_level)
-        x = mean + std * draw(shape)
+        mean, std = step_distribution(
+            model, x, t, t_next, condition, config.noise_level, config.guidance_scale
+        )
+        x = mean + std * draw(shape).to(device)
         log_probs.append(gaussian_log_prob(x, mean, std))
         latents.append(x)
     return Trajectory(

@@ -354,6 +354,17 @@ class TinySD3Config:
     t5_layers: int = 0
     """0: no T5 (``builtin:tiny-sd3``); else a T5 encoder of this depth, width ``joint_attention_dim``,
     over a character-level tokenizer (the layout of SD3.5 directories, which carry T5)."""
+    # What a real-shaped build (benchmarks/diffusion_gpu.py: SD3.5-medium's transformer and VAE)
+    # sets beside the widths above; the defaults are the proxy's.
+    vae_layers_per_block: int = 1
+    vae_norm_groups: int = 4
+    clip_heads: int = 2
+    qk_norm: str | None = None
+    """``rms_norm`` in SD3.5 (query / key normalisation in every attention)."""
+    dual_attention_layers: tuple[int, ...] = ()
+    """The blocks with SD3.5's second, image-only attention (MMDiT-X)."""
+    pos_embed_max_size: int | None = None
+    """The positional-embedding grid's side (None: the latent side; SD3.5-medium: 384)."""
 
 
 def _byte_characters() -> list[str]:
@@ -423,9 +434,9 @@ def build_tiny_sd3(dest: Path, seed: int, config: TinySD3Config | None = None) -
             down_block_types=("DownEncoderBlock2D",) * len(c.vae_channels),
             up_block_types=("UpDecoderBlock2D",) * len(c.vae_channels),
             block_out_channels=c.vae_channels,
-            layers_per_block=1,
+            layers_per_block=c.vae_layers_per_block,
             latent_channels=c.latent_channels,
-            norm_num_groups=4,
+            norm_num_groups=c.vae_norm_groups,
             sample_size=c.image_size,
             scaling_factor=c.scaling_factor,
             shift_factor=c.shift_factor,
@@ -443,7 +454,9 @@ def build_tiny_sd3(dest: Path, seed: int, config: TinySD3Config | None = None) -
             joint_attention_dim=c.joint_attention_dim,
             caption_projection_dim=c.attention_head_dim * c.num_attention_heads,
             pooled_projection_dim=sum(c.clip_widths),
-            pos_embed_max_size=c.image_size // factor,
+            pos_embed_max_size=c.pos_embed_max_size or c.image_size // factor,
+            qk_norm=c.qk_norm,
+            dual_attention_layers=tuple(c.dual_attention_layers),
         )
         encoders = [
             CLIPTextModelWithProjection(
@@ -452,7 +465,7 @@ def build_tiny_sd3(dest: Path, seed: int, config: TinySD3Config | None = None) -
                     hidden_size=width,
                     intermediate_size=2 * width,
                     num_hidden_layers=c.clip_layers,
-                    num_attention_heads=2,
+                    num_attention_heads=c.clip_heads,
                     max_position_embeddings=int(tokenizer.model_max_length),
                     projection_dim=width,
                     bos_token_id=int(tokenizer.bos_token_id),

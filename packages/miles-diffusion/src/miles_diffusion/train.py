@@ -52,9 +52,11 @@ def build_recipe_model(recipe: DiffusionRecipe) -> DiffusionModel:
     loaded by its family (:mod:`miles_diffusion.families`) with the recipe's prompt texts."""
     if isinstance(recipe.model, TinyFlowModelConfig):
         return build_tiny_model(recipe.model, recipe.seed, recipe.precision)
-    from miles_diffusion.families import load_model
+    from miles_diffusion.families import check_family_guidance, family_for, load_model
 
-    return load_model(resolve_model_dir(recipe.model), recipe.precision, recipe.prompts or ())
+    directory = resolve_model_dir(recipe.model)
+    check_family_guidance(family_for(directory), recipe.sampler.guidance_scale)  # before loading
+    return load_model(directory, recipe.precision, recipe.prompts or ())
 
 
 def evaluation_samples(model: DiffusionModel, recipe: DiffusionRecipe) -> Trajectory:

@@ -17,6 +17,7 @@ import torch
 
 from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.flow_grpo import FlowGRPOConfig, flow_grpo_step_loss, group_advantages
+from miles_diffusion.guidance import NO_GUIDANCE, check_model
 from miles_diffusion.objectives import Rollout, TrainerConfig
 from miles_diffusion.sampler import Trajectory, step_distribution, step_log_prob
 
@@ -51,11 +52,16 @@ class FlowGRPOTrainer:
         objective: FlowGRPOConfig,
         config: TrainerConfig,
         noise_level: float,
+        guidance_scale: float = NO_GUIDANCE,
     ) -> None:
+        check_model(model, guidance_scale)
         self.model = model
         self.objective = objective
         self.config = config
         self.noise_level = noise_level
+        self.guidance_scale = guidance_scale
+        """The sampler's classifier-free guidance scale: re-scoring (and the KL reference) uses the
+        same guided velocity, so a step's log-probability is the one the sampler recorded."""
         self.optimizer = make_optimizer(model, config)
         self.reference: DiffusionModel | None = None
         if objective.kl_coef > 0:
@@ -76,6 +82,7 @@ class FlowGRPOTrainer:
                 float(trajectory.timesteps[step + 1]),
                 trajectory.prompts,
                 self.noise_level,
+                self.guidance_scale,
             )
         return ((mean - ref_mean) ** 2).flatten(1).mean(dim=1) / (2.0 * std**2)
 
@@ -116,7 +123,9 @@ class FlowGRPOTrainer:
             group = steps[start : start + chunk]
             self.optimizer.zero_grad(set_to_none=True)
             for step in group:
-                new_lp, mean, std = step_log_prob(self.model, trajectory, step, self.noise_level)
+                new_lp, mean, std = step_log_prob(
+                    self.model, trajectory, step, self.noise_level, self.guidance_scale
+                )
                 out = flow_grpo_step_loss(
                     new_lp,
                     trajectory.log_probs[:, step],

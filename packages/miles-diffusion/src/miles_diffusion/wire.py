@@ -31,6 +31,7 @@ from safetensors.torch import load as _load_tensors
 from safetensors.torch import save as _save_tensors
 
 from miles.engines.embedded.weights import SAFETENSORS_DTYPES
+from miles_diffusion.guidance import NO_GUIDANCE
 from miles_diffusion.sampler import SamplerConfig, Trajectory
 
 MEDIA_TYPE = "application/vnd.miles.safetensors"
@@ -103,6 +104,7 @@ def pack(batch: TrajectoryBatch, extra: Mapping[str, str] | None = None) -> byte
         "weight_version": str(batch.weight_version),
         "num_steps": str(batch.sampler.num_steps),
         "noise_level": float(batch.sampler.noise_level).hex(),
+        "guidance_scale": float(batch.sampler.guidance_scale).hex(),
         **(extra or {}),
     }
     return _save_tensors(tensors, metadata=meta)
@@ -157,7 +159,12 @@ def _header(head: bytes, total: int) -> tuple[dict[str, Any], dict[str, str], in
 
 def _batch(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str]) -> TrajectoryBatch:
     try:
-        sampler = SamplerConfig(int(meta["num_steps"]), float.fromhex(meta["noise_level"]))
+        sampler = SamplerConfig(
+            int(meta["num_steps"]),
+            float.fromhex(meta["noise_level"]),
+            # absent from an engine that predates guidance: it sampled unguided
+            float.fromhex(meta.get("guidance_scale", float(NO_GUIDANCE).hex())),
+        )
         version = int(meta["weight_version"])
         trajectory = Trajectory(
             latents=tensors["latents"],

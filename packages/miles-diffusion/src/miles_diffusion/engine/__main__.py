@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 from miles.engines.process import exit_with_parent, listen
@@ -19,9 +20,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0: a free one)")
-    p.add_argument("--device", default="cpu", help="cpu (the only device so far)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument(
-        "--dtype", default="float32", help="the engine computes in float32 (the only dtype so far)"
+        "--dtype",
+        default="float32",
+        choices=("bfloat16", "float16", "float32"),  # precision.DTYPES, without importing torch yet
+        help="the forward pass's compute dtype (float32 weights either way; others run under autocast)",
     )
     p.add_argument("--max-batch-size", type=int, default=64, help="most trajectories one request may ask for")
     p.add_argument("--handoff-dir", default=None, help="directory of safetensors hand-off files (colocated)")
@@ -41,15 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
     )
-    if args.dtype != "float32":
-        raise SystemExit(
-            f"miles diffusion engine: --dtype {args.dtype} is not supported yet; the engine computes in float32 "
-            "(so its log-probabilities match the trainer's exactly)"
-        )
-    if args.device != "cpu":
-        raise SystemExit(
-            f"miles diffusion engine: --device {args.device} is not supported yet; the engine runs on the CPU"
-        )
+    if not (args.device == "cpu" or args.device == "cuda" or re.fullmatch(r"cuda:\d+", args.device)):
+        raise SystemExit(f"miles diffusion engine: --device {args.device!r}; allowed: cpu, cuda, cuda:N")
     if args.max_batch_size < 1:
         raise SystemExit(f"miles diffusion engine: --max-batch-size must be >= 1, got {args.max_batch_size}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -71,6 +68,10 @@ def main(argv: list[str] | None = None) -> None:
         exit_with_parent(args.parent_pid)
     import torch
 
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit(
+            f"miles diffusion engine: --device {args.device}, but torch sees no CUDA device here"
+        )
     threads = args.torch_threads or int(os.environ.get("MILES_TORCH_THREADS", "0") or 0)
     if threads > 0:
         torch.set_num_threads(threads)
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.seed is not None:
         torch.manual_seed(args.seed)
     from miles_diffusion.engine.server import DiffusionEngine, serve
+    from miles_diffusion.precision import PrecisionConfig
 
     try:
         engine = DiffusionEngine(
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             handoff_dir=args.handoff_dir,
             weight_version=args.weight_version,
             max_batch_size=args.max_batch_size,
+            precision=PrecisionConfig(compute_dtype=args.dtype),
         )
     except ValueError as exc:
         raise SystemExit(f"miles diffusion engine: {exc}") from None

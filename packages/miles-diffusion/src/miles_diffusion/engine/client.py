@@ -22,6 +22,7 @@ from miles.engines.client import EngineUnavailable, normalize_url, parse_weight_
 from miles.errors import EngineError
 from miles.types import GenerateOutput, SamplingParams
 from miles_diffusion.decode import DecodePool
+from miles_diffusion.guidance import NO_GUIDANCE
 from miles_diffusion.sampler import SamplerConfig
 from miles_diffusion.wire import (
     EngineStreamError,
@@ -115,6 +116,8 @@ class DiffusionClient:
             "num_steps": sampler.num_steps,
             "noise_level": sampler.noise_level,
         }
+        if sampler.guidance_scale != NO_GUIDANCE:  # an unguided request stays as it always was
+            body["guidance_scale"] = sampler.guidance_scale
         if texts is not None:
             body["texts"] = [str(t) for t in texts]
         if microgroup_size is not None:

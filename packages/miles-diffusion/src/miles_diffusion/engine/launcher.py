@@ -29,7 +29,9 @@ class DiffusionEngineOptions(ComponentOptions):
 
     device: str | None = Field(None, description="cpu, cuda or cuda:N (default: engine.device)")
     dtype: str | None = Field(
-        None, description="float32 only so far (default: engine.dtype, else model.dtype)"
+        None,
+        description="float32, bfloat16 or float16: the forward's compute dtype (default: engine.dtype, "
+        "else model.dtype); miles run's pre-flight keeps the core path at float32",
     )
     max_batch_size: int | None = Field(None, description="most trajectories one request may ask for")
     startup_timeout_s: float | None = Field(None, description="seconds to wait for /health")
@@ -82,9 +84,8 @@ class DiffusionLauncher(ProcessLauncher):
             if not Path(spec.model_path).is_dir():
                 raise EngineError(f"diffusion engine {i}: model path {spec.model_path!r} is not a directory")
             dtype = spec.options.get("dtype")
-            if dtype not in (None, "float32"):
+            if dtype not in (None, "float32", "bfloat16", "float16"):
                 raise EngineError(
-                    f"diffusion engine {i}: dtype {dtype!r} is not supported yet (float32 only, so the engine's "
-                    "log-probabilities match the trainer's); set engine.dtype / model.dtype to float32"
+                    f"diffusion engine {i}: dtype {dtype!r}; allowed: float32, bfloat16, float16"
                 )
         return self.start_processes(specs, log_dir, timeout, log_name="diffusion-engine")

@@ -55,8 +55,10 @@ from miles.engines.embedded.lora import LoraError
 from miles_diffusion.denoiser import Conditioning, DiffusionModel
 from miles_diffusion.engine.merge import AdapterMerger
 from miles_diffusion.families import load_for_engine
+from miles_diffusion.guidance import GuidanceError, check_model
 from miles_diffusion.lora import split_name
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, read_model_config
+from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.sampler import SamplerConfig, Trajectory, sample_seeded
 from miles_diffusion.sd3 import SD3FlowModel
 from miles_diffusion.wan import WanFlowModel
@@ -91,6 +93,12 @@ class GenerateBody(_Body):
     seeds: list[int] = Field(..., min_length=1, description="one noise seed per trajectory")
     num_steps: int = Field(..., ge=1, le=MAX_STEPS, description="denoising (SDE) steps")
     noise_level: float = Field(..., gt=0.0, description="the SDE's noise scale a (sigma_t = a sqrt(t/(1-t)))")
+    guidance_scale: float = Field(
+        1.0,
+        ge=1.0,
+        allow_inf_nan=False,
+        description="classifier-free guidance scale (1: none; above 1: two branches per forward pass)",
+    )
     microgroup_size: int | None = Field(
         None, ge=1, description="trajectories sampled together (default: the whole request at once)"
     )
@@ -155,6 +163,16 @@ def _version(value: str) -> int:
     return version
 
 
+def _on_host(trajectory: Trajectory) -> Trajectory:
+    """``trajectory`` with every tensor in host memory (the same tensors when they already are)."""
+    return Trajectory(
+        latents=trajectory.latents.cpu(),
+        timesteps=trajectory.timesteps.cpu(),
+        log_probs=trajectory.log_probs.cpu(),
+        prompts=trajectory.prompts.cpu(),
+    )
+
+
 class DiffusionEngine:
     """The model and its state; every method that touches the weights holds ``lock``."""
 
@@ -166,10 +184,11 @@ class DiffusionEngine:
         handoff_dir: str | None = None,
         weight_version: int = 0,
         max_batch_size: int = 64,
+        precision: PrecisionConfig | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.device = torch.device(device)
-        self.family, model = load_for_engine(model_path)
+        self.family, model = load_for_engine(model_path, precision)
         self.model: DiffusionModel = model.to(self.device)
         self.handoff_dir = Path(handoff_dir).resolve() if handoff_dir else None
         self.weight_version = weight_version
@@ -203,6 +222,10 @@ class DiffusionEngine:
                 raise EngineRefusal(f"prompt ids {bad} are outside this model's 0..{k - 1}")
         if not math.isfinite(body.noise_level):
             raise EngineRefusal(f"noise_level must be finite, got {body.noise_level}")
+        try:  # a model with no unconditional branch cannot guide (the tiny UNet)
+            check_model(self.model, body.guidance_scale)
+        except GuidanceError as exc:
+            raise EngineRefusal(str(exc)) from None
         if any(not 0 <= s < 2**63 for s in body.seeds):
             raise EngineRefusal("seeds must lie in [0, 2**63)")
 
@@ -236,7 +259,9 @@ class DiffusionEngine:
         Noise comes from each trajectory's own seed, so microgrouping changes no trajectory's noise;
         the batch size of the forward pass does change its rounding (a few ulp, docs/diffusion.md).
         The lock is held throughout: one weight version draws the whole request."""
-        sampler = SamplerConfig(num_steps=body.num_steps, noise_level=body.noise_level)
+        sampler = SamplerConfig(
+            num_steps=body.num_steps, noise_level=body.noise_level, guidance_scale=body.guidance_scale
+        )
         prompts = torch.tensor(body.prompts, dtype=torch.int64, device=self.device)
         seeds = list(body.seeds)
         n = len(seeds)
@@ -264,6 +289,10 @@ class DiffusionEngine:
                 images = (
                     None if self.model.latents_are_pixels else self.model.to_images(trajectory.latents[:, -1])
                 )
+                # The wire packs host memory: a GPU engine's results come back here (which also
+                # waits for the device, so the timing below is the sampling's).
+                trajectory = _on_host(trajectory)
+                images = None if images is None else images.cpu()
                 finished = time.monotonic_ns()
                 emit(
                     index,
