@@ -38,3 +38,14 @@ TINY_WAN = BuiltinModel(
     "character-level tokenizer); the wan_flow_grpo_proxy recipe's model",
     "miles_diffusion.wan:build_tiny_wan",
 )
+
+TINY_QWEN_IMAGE = BuiltinModel(
+    "tiny-qwen-image",
+    "diffusion",
+    "QwenImagePipeline",
+    "88.8K",
+    "random-init scaled-down Qwen-Image pipeline (diffusers QwenImageTransformer2DModel, 2 layers; "
+    "AutoencoderKLQwenImage, 32x32 RGB to 4x8x8 latents; a 1-layer Qwen2.5-VL text model of width 16 "
+    "with the real Qwen2.5 tokenizer); the qwen_image_flow_grpo_proxy recipe's model",
+    "miles_diffusion.qwen_image:build_tiny_qwen_image",
+)

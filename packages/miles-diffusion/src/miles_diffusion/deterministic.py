@@ -19,9 +19,16 @@ from torch import nn
 # WanAttnProcessor (Wan's self- and cross-attention) calls diffusers' attention dispatcher, whose
 # default backend is the same scaled_dot_product_attention (tests/diffusion/test_wan.py re-scores
 # its log-probabilities bit for bit); a backend chosen through diffusers' attention-backend setting
-# is not checked here.
+# is not checked here. QwenDoubleStreamAttnProcessor2_0 (Qwen-Image's joint image-text attention)
+# calls the same dispatcher (tests/diffusion/test_qwen_image.py re-scores bit for bit).
 DETERMINISTIC_ATTENTION_PROCESSORS = frozenset(
-    {"AttnProcessor", "AttnProcessor2_0", "JointAttnProcessor2_0", "WanAttnProcessor"}
+    {
+        "AttnProcessor",
+        "AttnProcessor2_0",
+        "JointAttnProcessor2_0",
+        "WanAttnProcessor",
+        "QwenDoubleStreamAttnProcessor2_0",
+    }
 )
 
 # transformers attention implementations (a text encoder's ``config._attn_implementation``) that

@@ -1,0 +1,206 @@
+"""The Qwen-Image family on its scaled-down proxy (builtin:tiny-qwen-image): the directory picks its
+family, diffusers' own QwenImagePipeline loads the proxy, the conditioning is Qwen-Image's (its chat
+template, the real Qwen2 tokenizer, the dropped prefix; bit for bit against the pipeline's
+encode_prompt), the schedule and the deterministic ODE path are the pipeline's, the sampler's
+log-probabilities are the trainer's re-scoring bit for bit, only the transformer trains, and the
+driver runs both recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from miles_diffusion.deterministic import check_attention_backends
+from miles_diffusion.families import family_for, load_model
+from miles_diffusion.flow_grpo import FlowGRPOConfig
+from miles_diffusion.objectives import TrainerConfig
+from miles_diffusion.qwen_image import (
+    PROMPT_TEMPLATE,
+    TEMPLATE_PREFIX_TOKENS,
+    QwenImageEncodings,
+    QwenImageFlowModel,
+    pack_latents,
+    unpack_latents,
+)
+from miles_diffusion.sampler import SamplerConfig, sample, sample_seeded, step_log_prob
+from miles_diffusion.train import main, resolve_model_dir
+from miles_diffusion.trainer import FlowGRPOTrainer
+
+PROMPTS = ("a red cube on a table", "two cats", "Ünïcode, punctuation & CAPS! 日本語")
+
+
+@pytest.fixture(scope="module")
+def proxy_dir() -> Path:
+    return resolve_model_dir("builtin:tiny-qwen-image")
+
+
+@pytest.fixture(scope="module")
+def model(proxy_dir: Path) -> QwenImageFlowModel:
+    loaded = load_model(proxy_dir, prompts=PROMPTS)
+    assert isinstance(loaded, QwenImageFlowModel)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def pipe(proxy_dir: Path) -> Any:
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline.from_pretrained(str(proxy_dir), dtype=torch.float32)
+
+
+def _index_copy(proxy_dir: Path, dest: Path, **changes: Any) -> Path:
+    dest.mkdir()
+    index = json.loads((proxy_dir / "model_index.json").read_text())
+    (dest / "model_index.json").write_text(json.dumps({**index, **changes}))
+    return dest
+
+
+def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None:
+    assert family_for(proxy_dir).name == "qwen-image"
+    flux = _index_copy(proxy_dir, tmp_path / "flux", _class_name="FluxPipeline")
+    with pytest.raises(ValueError) as err:
+        family_for(flux)
+    assert "\n" not in str(err.value) and "qwen-image (" in str(err.value)
+    other = _index_copy(proxy_dir, tmp_path / "t5", text_encoder=["transformers", "T5EncoderModel"])
+    with pytest.raises(ValueError, match=r"^[^\n]*the qwen-image family loads Qwen2_5_VLForConditional"):
+        load_model(other, prompts=PROMPTS)
+    with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):
+        load_model(proxy_dir)
+
+
+def test_latent_packing_is_the_transformers_patch_layout(pipe: Any) -> None:
+    latents = torch.randn(2, 4, 8, 8)
+    packed = pack_latents(latents)
+    assert torch.equal(packed, pipe._pack_latents(latents, 2, 4, 8, 8))
+    assert torch.equal(unpack_latents(packed, 8, 8), latents)
+    assert torch.equal(pipe._unpack_latents(packed, 32, 32, pipe.vae_scale_factor)[:, :, 0], latents)
+
+
+def test_conditioning_is_qwen_images(model: QwenImageFlowModel, pipe: Any) -> None:
+    """The template's prefix is 34 real Qwen2 tokens (special tokens included); after it the
+    encodings equal the pipeline's encode_prompt bit for bit, zero-padded to the model's text length."""
+    prefix = pipe.tokenizer(PROMPT_TEMPLATE.split("{}")[0]).input_ids
+    assert len(prefix) == TEMPLATE_PREFIX_TOKENS
+    assert prefix[0] == pipe.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    ours = model.encode_prompts(torch.tensor([1, 0, 2]))
+    assert isinstance(ours, QwenImageEncodings) and ours.sequence.shape == (3, 32, 16)
+    for row, text in enumerate((PROMPTS[1], PROMPTS[0], PROMPTS[2])):
+        with torch.no_grad():
+            theirs, mask = pipe.encode_prompt(prompt=text, max_sequence_length=32)
+        assert mask is None  # one prompt: no padding in the pipeline
+        n = theirs.shape[1]
+        suffix = len(pipe.tokenizer("<|im_end|>\n<|im_start|>assistant\n").input_ids)
+        assert n == len(pipe.tokenizer(text).input_ids) + suffix, text
+        assert torch.equal(ours.sequence[row, :n], theirs[0]), text
+        assert not ours.sequence[row, n:].any() and int(ours.mask[row].sum()) == n
+
+
+def test_schedule_and_the_ode_path_are_the_pipelines(model: QwenImageFlowModel, pipe: Any) -> None:
+    """Same initial noise, no guidance: the Euler ODE through our velocity gives the pipeline's
+    final latents and images (float tolerance: our text is zero-padded and masked, the pipeline's is
+    not padded), over the pipeline's own sigmas (dynamic shift included)."""
+    steps = 4
+    noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(3))
+    texts = [PROMPTS[0], PROMPTS[2]]  # different lengths: the pipeline pads these two with a mask
+    with torch.no_grad():
+        theirs = pipe(
+            prompt=texts,
+            latents=pack_latents(noise),
+            num_inference_steps=steps,
+            height=32,
+            width=32,
+            max_sequence_length=32,
+            output_type="latent",
+        ).images
+    sigmas = model.timestep_schedule(steps)
+    assert torch.equal(sigmas, pipe.scheduler.sigmas.float())
+    assert float(sigmas[-2]) == pytest.approx(0.02)  # Qwen-Image's shift_terminal
+    x = noise
+    enc = model.encode_prompts(torch.tensor([0, 2]))
+    with torch.no_grad():
+        for i in range(steps):
+            v = model(x, sigmas[i].expand(2), enc)
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+    ours = x
+    torch.testing.assert_close(ours, unpack_latents(theirs, 8, 8), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        images = pipe(
+            prompt=texts,
+            latents=pack_latents(noise),
+            num_inference_steps=steps,
+            height=32,
+            width=32,
+            max_sequence_length=32,
+            output_type="pt",
+        ).images
+    torch.testing.assert_close(model.to_images(ours), images, rtol=1e-5, atol=1e-5)
+    assert images.shape == (2, 3, 32, 32)
+
+
+def test_sampler_log_probs_equal_the_trainers_rescoring(model: QwenImageFlowModel) -> None:
+    prompts = torch.tensor([2, 0, 2, 1])
+    distinct, inverse = torch.unique(prompts, return_inverse=True)
+    encoded = model.encode_prompts(distinct)[inverse]
+    config = SamplerConfig(num_steps=4, noise_level=0.7)
+    engine = sample_seeded(model, prompts, [11, 12, 13, 14], config, encoded=encoded)
+    driver = sample(model, prompts, config, torch.Generator().manual_seed(0))
+    for trajectory in (engine, driver):
+        assert trajectory.latents.shape == (4, 5, 4, 8, 8)
+        for step in range(config.num_steps):
+            with torch.no_grad():
+                rescored, _, _ = step_log_prob(model, trajectory, step, config.noise_level)
+            assert torch.equal(rescored, trajectory.log_probs[:, step]), step
+    # a prompt's velocity does not depend on its batch (fixed text length): one row alone equals it
+    x, t = engine.latents[:, 1], torch.full((4,), 0.5)
+    with torch.no_grad():
+        together = model(x, t, prompts)
+        alone = model(x[1:2], t[1:2], prompts[1:2])
+    torch.testing.assert_close(alone, together[1:2], rtol=0, atol=1e-6)
+    check_attention_backends(model)
+
+
+def test_only_the_transformer_trains(proxy_dir: Path) -> None:
+    model = load_model(proxy_dir, prompts=PROMPTS)
+    assert isinstance(model, QwenImageFlowModel)
+    assert set(model.frozen_modules()) == {"vae", "text_encoder"}
+    assert all(name.startswith("transformer.") for name in model.state_dict())
+    frozen_params = [p for m in model.frozen_modules().values() for p in m.parameters()]
+    assert frozen_params and not any(p.requires_grad for p in frozen_params)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = FlowGRPOTrainer(model, FlowGRPOConfig(clip_range=0.05), TrainerConfig(lr=1e-2), 0.7)
+    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for p in model.transformer.parameters()}
+    trajectory = sample(
+        model, torch.tensor([0, 0, 1, 1]), SamplerConfig(num_steps=3), torch.Generator().manual_seed(1)
+    )
+    stats = trainer.train_step(trajectory, torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 2])
+    assert stats["grad_norm"] > 0 and all(p.grad is None for p in frozen_params)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) > len(before) // 2
+
+
+def test_one_driver_iteration_of_each_recipe_prints_its_level(
+    proxy_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The proxy recipe, and the real one (BF16 with FP32 modules named on Qwen-Image's
+    transformer) pointed at the proxy's directory, one iteration each through the driver."""
+    main(["qwen_image_flow_grpo_proxy", "--iterations", "1", "--out", str(tmp_path / "proxy")])
+    assert "recipe qwen_image_flow_grpo_proxy: evidence level proxy gated" in capsys.readouterr().out
+    main(
+        [
+            "qwen_image_flow_grpo",
+            "--model",
+            str(proxy_dir),
+            "--iterations",
+            "1",
+            "--out",
+            str(tmp_path / "real"),
+        ]
+    )
+    assert "recipe qwen_image_flow_grpo: evidence level not verified" in capsys.readouterr().out
+    (line,) = (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()
+    assert {"reward/mean", "train/loss", "eval/reward_before", "eval/reward_after"} <= set(json.loads(line))
