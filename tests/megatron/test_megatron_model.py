@@ -81,7 +81,12 @@ def test_transformer_config_fields_match_the_hf_config(parallel, tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "extra"),
-    [("qwen3", dict(tie_word_embeddings=True)), ("qwen3", dict(tie_word_embeddings=False)), ("qwen2", {})],
+    [
+        ("qwen3", dict(tie_word_embeddings=True)),
+        ("qwen3", dict(tie_word_embeddings=False)),
+        ("qwen2", {}),
+        ("qwen3_moe", dict(mlp_only_layers=[1])),  # the router's gating through cpu.CPUTopKRouter
+    ],
 )
 def test_the_cpu_forward_gives_the_hf_models_logits(parallel, tmp_path, family, extra):
     import transformers

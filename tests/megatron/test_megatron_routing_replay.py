@@ -178,7 +178,7 @@ def test_without_replay_the_hooks_only_count() -> None:
 
 
 def test_the_megatron_model_built_for_replay_has_a_replaying_router_per_sparse_layer(tmp_path) -> None:
-    """The real model (built on CPU, not run: its router needs CUDA): one ``TopKRouter`` per sparse
+    """The real model (built on CPU, not run here): one ``TopKRouter`` per sparse
     layer in layer order, each with megatron-core's ``RouterReplay``, which the hooks accept."""
     import socket
 

@@ -1,7 +1,7 @@
 """megatron-core on CPU over gloo (``megatron.device: cpu``): the pieces its CUDA path hard-codes.
 
 megatron-core 0.16's tensor-parallel layers (column- and row-parallel linears, the
-vocab-parallel embedding) and the GPT model run on CPU over gloo, but two modules on the
+vocab-parallel embedding) and the GPT model run on CPU over gloo, but three modules on the
 forward path allocate on ``torch.cuda.current_device()`` unconditionally. Each is replaced
 through megatron's own construction API, by subclasses built in its place (nothing of
 megatron-core is patched, and no existing object changes class):
@@ -15,22 +15,27 @@ megatron-core is patched, and no existing object changes class):
   HF families here have none), so no RNG tracker is ever needed;
 - ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to CUDA on its first call
   (``rotary_pos_embedding.py``): :class:`CPUGPTModel` (a ``GPTModel``) builds a
-  :class:`CPURotaryEmbedding`, which keeps it where it is, with the same arguments.
+  :class:`CPURotaryEmbedding`, which keeps it where it is, with the same arguments;
+- the MoE router's gating (``router.py``: it moves the router's weight to CUDA on every call):
+  :class:`CPUTopKRouter`, built in the layer spec's ``router`` slot.
+
+Under pipeline parallelism with tied embeddings, ``CPUGPTModel`` also runs megatron's set-up of the
+last stage's embedding copy under :class:`CudaOnCPU` (it calls ``.cuda()`` on it).
 
 The default causal mask (``transformer.utils.get_default_causal_mask``, made on ``"cuda"`` when
 the attention mask is None) is avoided through megatron's API: the CPU trainer passes an explicit
 mask (:func:`causal_mask`).
 
-Not adapted, so refused on CPU: the MoE router (``router.py``, ``gating`` moves its weights to
-CUDA on every call). What stays CUDA-only in megatron-core and so is not used on CPU: its ``DistributedDataParallel``
+What stays CUDA-only in megatron-core and so is not used on CPU: its ``DistributedDataParallel``
 (gradient buffers on the current CUDA device), its optimizer and gradient clipping (``found_inf``
-and norm tensors on ``"cuda"``), its forward/backward schedules (``total_num_tokens`` on
-``"cuda"``), sequence parallelism (its all-gather buffer is the CUDA memory buffer); the pipeline's point-to-point
-buffers are replaced by a communicator subclass passed to its schedule (``miles_megatron.pipeline``). The CPU trainer runs torch's AdamW with
+and norm tensors on ``"cuda"``), its no-pipelining schedule (``total_num_tokens`` on ``"cuda"``),
+sequence parallelism (its all-gather buffer is the CUDA memory buffer), the MoE dispatchers' gathers
+across EP ranks. The pipeline schedule runs (``miles_megatron.pipeline``: a communicator subclass
+passed to it, :class:`CudaOnCPU` around it). The CPU trainer runs torch's AdamW with
 megatron's weight-decay groups, the TP reduction of the q/k-norm gradients megatron's
-``finalize_model_grads`` does (:func:`reduce_tp_shared_grads`), its own tensor-parallel gradient
-norm (:func:`clip_grad_norm`) and the no-pipelining schedule's loop itself
-(``trainer.MegatronTrainer``).
+``finalize_model_grads`` does (:func:`reduce_tp_shared_grads`) and of a tied embedding's two copies
+under PP (:func:`reduce_tied_embedding_grads`), its own model-parallel gradient norm
+(:func:`clip_grad_norm`) and the no-pipelining schedule's loop itself (``trainer.MegatronTrainer``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]
 from megatron.core.tensor_parallel.layers import (  # type: ignore[import-untyped]
     param_is_not_tensor_parallel_duplicate,
 )
+from megatron.core.transformer.moe.router import TopKRouter  # type: ignore[import-untyped]
 from torch.overrides import TorchFunctionMode
 
 
@@ -128,6 +134,22 @@ class CPUGPTModel(GPTModel):
         # copy stays where it is and the all-reduce runs over gloo (megatron's own steps otherwise).
         with CudaOnCPU():
             super().setup_embeddings_and_output_layer()
+
+
+class CPUTopKRouter(TopKRouter):
+    """megatron's top-k router whose gating stays on the CPU.
+
+    megatron-core 0.16's ``TopKRouter.gating`` moves the router's weight to ``torch.cuda.current_device()``
+    when it finds it on the CPU, then calls ``router_gating_linear``, which without Transformer Engine
+    fails on its missing ``te_general_gemm`` name. This one computes the same logits, the input times the
+    router's weight in the routing dtype (``moe_router_dtype``), where the weight is; every other step
+    of the router (top-k, scores, replay) is megatron's. Built in the MoE layer's ``router`` slot of the
+    layer spec (``model_config.layer_spec``)."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:

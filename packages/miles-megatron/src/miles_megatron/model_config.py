@@ -136,16 +136,16 @@ def layer_spec(
     (Qwen3-MoE's ``mlp_only_layers`` are dense). The local spec's ``core_attention`` slot, the
     extension point megatron gives for it, takes ``miles_megatron.attention.SDPADotProductAttention``
     unless ``core_attention`` is ``megatron`` (its own, CUDA only). ``cpu``: the spec that runs on the
-    CPU (dense, local, SDPA attention). ``lora``: the linear slots it targets take
+    CPU (local, SDPA attention, MoE layers with ``cpu.CPUTopKRouter``). ``lora``: the linear slots it targets take
     ``miles_megatron.lora_layers``' adapter-carrying subclasses of megatron's parallel linears
     (local spec, dense models).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if cpu and (model.is_moe or spec == "te" or core_attention != "sdpa"):
+    if cpu and (spec == "te" or core_attention != "sdpa"):
         raise ValueError(
-            "megatron.device cpu runs dense models with the local layer spec and sdpa attention only "
-            f"(got {'a MoE model' if model.is_moe else 'the te spec' if spec == 'te' else 'megatron attention'})"
+            "megatron.device cpu runs the local layer spec with sdpa attention only "
+            f"(got {'the te spec' if spec == 'te' else 'megatron attention'})"
         )
     if spec == "te":
         if lora is not None:
@@ -163,6 +163,12 @@ def layer_spec(
     else:
         block = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
         layers = [block]
+    if cpu and model.is_moe:  # the router's slot (megatron's extension point for it) takes the CPU router
+        from miles_megatron.cpu import CPUTopKRouter
+
+        for layer in layers:
+            if hasattr(layer.submodules.mlp.submodules, "router"):
+                layer.submodules.mlp.submodules.router = CPUTopKRouter
     if core_attention == "sdpa":
         from miles_megatron.attention import SDPADotProductAttention
 
