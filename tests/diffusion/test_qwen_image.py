@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from miles_diffusion.deterministic import check_attention_backends
-from miles_diffusion.families import family_for, load_model
+from miles_diffusion.families import check_family_guidance, family_for, load_model
 from miles_diffusion.flow_grpo import FlowGRPOConfig
+from miles_diffusion.guidance import GuidanceError
 from miles_diffusion.objectives import TrainerConfig
 from miles_diffusion.qwen_image import (
     PROMPT_TEMPLATE,
@@ -70,6 +71,10 @@ def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None
         load_model(other, prompts=PROMPTS)
     with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):
         load_model(proxy_dir)
+    # Qwen-Image's own guidance (norm-rescaled true CFG) is not built: a scale above 1 is refused
+    check_family_guidance(family_for(proxy_dir), 1.0)
+    with pytest.raises(GuidanceError, match=r"^[^\n]*the qwen-image family has no unconditional branch"):
+        check_family_guidance(family_for(proxy_dir), 4.0)
 
 
 def test_latent_packing_is_the_transformers_patch_layout(pipe: Any) -> None:

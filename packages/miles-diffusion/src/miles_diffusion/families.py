@@ -141,7 +141,7 @@ register_family(
         _detect_qwen_image,
         _load_qwen_image,
         text_prompts=True,
-        unconditional=True,
+        unconditional=False,  # Qwen-Image's norm-rescaled true CFG is not built (qwen_image.py)
     )
 )
 

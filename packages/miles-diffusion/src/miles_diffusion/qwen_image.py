@@ -158,6 +158,11 @@ class QwenImageFlowModel(PipelineFlowModel):
     encodings_type = QwenImageEncodings
     _frozen: _Frozen
 
+    has_unconditional = False
+    """Guidance is refused: Qwen-Image's pipeline guides with a negative prompt and rescales the
+    guided velocity to the conditional one's norm per token ("true CFG"), which the shared
+    classifier-free guidance (``v_u + w (v_c - v_u)``) is not; sampling is conditional only."""
+
     def __init__(
         self,
         transformer: nn.Module,
