@@ -26,7 +26,6 @@ each activation's shape travels before it, as megatron does for that setting.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,8 +39,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection  # type: 
 
 from miles_megatron.batch import MicroBatch
 from miles_megatron.cpu import CudaOnCPU
-
-ForwardStep = Callable[[Iterator[MicroBatch], Any], tuple[torch.Tensor, Callable[[torch.Tensor], Any]]]
+from miles_megatron.schedule import ForwardStep
 
 # The process groups megatron's non-interleaved schedule reads from a passed-in collection.
 _SCHEDULE_GROUPS = ["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"]
@@ -50,7 +48,9 @@ _SCHEDULE_GROUPS = ["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"]
 class CPUP2PCommunicator(P2PCommunicator):
     """megatron's stage-to-stage communicator with its receive buffers on the CPU (gloo).
 
-    Same contract as megatron's ``_communicate``: send ``tensor_send_next`` / ``tensor_send_prev``
+    It overrides megatron's ``_communicate``, the one method its public send / receive methods (the
+    schedule's calls) go through; private in megatron-core 0.16.1, where it was run. Same contract:
+    send ``tensor_send_next`` / ``tensor_send_prev``
     to the next / previous stage, receive from them when asked, and return the received tensors
     (leaf tensors that require a gradient, in ``config.pipeline_dtype``). Every request is waited
     on before returning, as megatron does with ``wait_on_reqs`` (the non-interleaved schedule's case).
