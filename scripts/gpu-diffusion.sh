@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 
 timeout "${TESTS_S:-60}" python3 -m pytest -m gpu -p no:cacheprovider -o addopts="" -rA -q tests/diffusion \
     2>&1 | tee "$out/tests-diffusion.log"
-timeout "${BENCH_S:-330}" python3 benchmarks/diffusion_gpu.py --out "$out/diffusion-gpu.json" 2>&1 \
+timeout "${BENCH_S:-330}" python3 benchmarks/diffusion_gpu.py --parts "${DIFF_PARTS:-images,rollout}" --out "$out/diffusion-gpu.json" 2>&1 \
     | grep -v "it/s\]" | tee "$out/diffusion-gpu.log"
 if [ -n "${GUIDANCE:-}" ]; then
     timeout "${GUIDANCE_S:-150}" python3 benchmarks/diffusion_gpu.py --parts images --guidance "$GUIDANCE" \
