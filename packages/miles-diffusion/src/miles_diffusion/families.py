@@ -10,7 +10,7 @@ A family recognises its directories by their files (``detect``) and loads one in
 - ``wan``: a diffusers directory whose ``model_index.json`` names ``WanPipeline`` (Wan 2.x
   text-to-video, :mod:`miles_diffusion.wan`; the driver and the core path both serve it);
 - ``qwen-image``: a diffusers directory whose ``model_index.json`` names ``QwenImagePipeline``
-  (Qwen-Image text-to-image, :mod:`miles_diffusion.qwen_image`).
+  (Qwen-Image text-to-image, :mod:`miles_diffusion.qwen_image`; the driver and the core path).
 
 Any other directory, a diffusers pipeline of another class included, is refused with one error
 naming what is supported. ``register_family`` adds one (a plug-in registers at import).
@@ -221,7 +221,7 @@ def load_for_engine(
     return family, family.load(Path(directory).expanduser(), precision, ())
 
 
-CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3", "wan"})
+CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3", "wan", "qwen-image"})
 """The families the core path (``miles run``: the diffusion engine and backend) serves so far."""
 
 _BUILTIN_ARCHITECTURES = {
