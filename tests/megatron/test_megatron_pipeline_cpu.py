@@ -89,11 +89,20 @@ def test_pp2_over_gloo_equals_one_rank(tmp_path, tied):
     _export_is_the_checkpoint(path, tmp_path / "pp2")
 
 
-@pytest.mark.parametrize("other", [dict(tensor_parallel=2), dict()], ids=["pp2-tp2", "pp2-dp2"])
-def test_pp2_with_tp2_or_dp2_equals_one_rank(tmp_path, other):
-    path = _checkpoint(tmp_path)
+@pytest.mark.parametrize(
+    ("other", "tied"),
+    [
+        (dict(pipeline_parallel=2, tensor_parallel=2), False),
+        (dict(pipeline_parallel=2), False),
+        # four stages of one layer: middle stages hold neither the embedding nor its tied copy
+        (dict(pipeline_parallel=4), True),
+    ],
+    ids=["pp2-tp2", "pp2-dp2", "pp4-tied"],
+)
+def test_four_ranks_with_stages_equal_one_rank(tmp_path, other, tied):
+    path = _checkpoint(tmp_path, tied)
     one = _run(path, tmp_path / "one")
-    four = _run(path, tmp_path / "four", num_ranks=4, pipeline_parallel=2, **other)
+    four = _run(path, tmp_path / "four", num_ranks=4, **other)
     _same_run(one, four)
     _export_is_the_checkpoint(path, tmp_path / "four")
 
