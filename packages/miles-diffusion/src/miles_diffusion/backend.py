@@ -65,6 +65,7 @@ from miles_diffusion.objectives import (
     build_objective,
 )
 from miles_diffusion.payload import payload_of, stack
+from miles_diffusion.qwen_image import QwenImageFlowModel
 from miles_diffusion.rollout import DiffusionRolloutOptions
 from miles_diffusion.sampler import SamplerConfig, step_log_prob
 from miles_diffusion.sd3 import (
@@ -81,7 +82,7 @@ STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 WHO = "backend 'diffusion'"
-PIPELINE_MODELS = (SD3FlowModel, WanFlowModel)
+PIPELINE_MODELS = (SD3FlowModel, WanFlowModel, QwenImageFlowModel)
 """Pipeline families whose transformer alone trains, is checkpointed and returns to the engine."""
 
 
