@@ -65,25 +65,21 @@ from miles_diffusion.objectives import (
     build_objective,
 )
 from miles_diffusion.payload import payload_of, stack
-from miles_diffusion.qwen_image import QwenImageFlowModel
+from miles_diffusion.pipeline_model import PipelineFlowModel
 from miles_diffusion.rollout import DiffusionRolloutOptions
 from miles_diffusion.sampler import SamplerConfig, step_log_prob
 from miles_diffusion.sd3 import (
     TRANSFORMER_DIR,
-    SD3FlowModel,
     export_pipeline,
     load_transformer,
     save_transformer,
 )
 from miles_diffusion.supervised import SupervisedTraining, held_out_images
-from miles_diffusion.wan import WanFlowModel
 
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 WHO = "backend 'diffusion'"
-PIPELINE_MODELS = (SD3FlowModel, WanFlowModel, QwenImageFlowModel)
-"""Pipeline families whose transformer alone trains, is checkpointed and returns to the engine."""
 
 
 class DiffusionBackend:
@@ -283,7 +279,7 @@ class DiffusionBackend:
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, os.path.join(directory, ADAPTER_DIR))
             state["lora_base_digest"] = self._base_digest
-        elif isinstance(model, PIPELINE_MODELS):  # the transformer alone: the frozen parts are the base's
+        elif isinstance(model, PipelineFlowModel):  # the transformer alone: the frozen parts are the base's
             save_transformer(model, directory)
         else:
             assert isinstance(model, FlowModel)
@@ -308,7 +304,7 @@ class DiffusionBackend:
         """The checkpoint's weights, refused whole if it is of the other kind (LoRA / full) or, for an
         adapter, of another base (the adapter's delta means nothing on other weights)."""
         has_adapter = os.path.isdir(os.path.join(directory, ADAPTER_DIR))
-        if isinstance(model, PIPELINE_MODELS):
+        if isinstance(model, PipelineFlowModel):
             if not os.path.isdir(os.path.join(directory, TRANSFORMER_DIR)):
                 raise ConfigError(
                     f"{WHO}: {directory} holds no {TRANSFORMER_DIR}/; it is not a pipeline model's checkpoint"
@@ -351,7 +347,7 @@ class DiffusionBackend:
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, directory)
             return
-        if isinstance(model, PIPELINE_MODELS):  # a whole pipeline: the base's frozen parts, this transformer
+        if isinstance(model, PipelineFlowModel):  # a whole pipeline: the base's frozen parts, this transformer
             export_pipeline(model, self._model_path, directory)
             return
         assert isinstance(model, FlowModel)

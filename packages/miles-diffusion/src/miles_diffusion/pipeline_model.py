@@ -28,7 +28,11 @@ class FrozenParts(Protocol):
 
 
 class PipelineFlowModel(DiffusionModel):
-    """A pipeline family's transformer as a rectified-flow velocity model, prompted by id or text."""
+    """A pipeline family's transformer as a rectified-flow velocity model, prompted by id or text.
+
+    Every subclass is served and trained alike on the core path: the engine encodes request texts
+    with :meth:`encode_texts`; the backend trains, checkpoints and sends the transformer alone (the
+    frozen parts are the base directory's), and exports a whole pipeline directory."""
 
     encodings_type: ClassVar[Any]
     """The family's encodings: a frozen dataclass with ``__len__``, ``__getitem__`` and ``cat``."""

@@ -58,11 +58,9 @@ from miles_diffusion.families import load_for_engine
 from miles_diffusion.guidance import GuidanceError, check_model
 from miles_diffusion.lora import split_name
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, read_model_config
+from miles_diffusion.pipeline_model import PipelineFlowModel
 from miles_diffusion.precision import PrecisionConfig
-from miles_diffusion.qwen_image import QwenImageFlowModel
 from miles_diffusion.sampler import SamplerConfig, Trajectory, sample_seeded
-from miles_diffusion.sd3 import SD3FlowModel
-from miles_diffusion.wan import WanFlowModel
 from miles_diffusion.wire import (
     MEDIA_TYPE,
     STREAM_MEDIA_TYPE,
@@ -273,7 +271,7 @@ class DiffusionEngine:
             encoded: Conditioning
             if body.texts is not None:  # a text-prompted model: the request's texts, by id
                 text_of = dict(zip(body.prompts, body.texts, strict=True))
-                assert isinstance(self.model, (SD3FlowModel, WanFlowModel, QwenImageFlowModel))
+                assert isinstance(self.model, PipelineFlowModel)
                 encoded = self.model.encode_texts([text_of[int(i)] for i in distinct.tolist()])[inverse]
             else:
                 encoded = self.model.encode_prompts(distinct)[inverse]
