@@ -1,0 +1,209 @@
+"""The LTX-Video family on its scaled-down proxy (builtin:tiny-ltx): the directory picks its family,
+diffusers' own LTXPipeline loads the proxy, the conditioning is LTX's (T5 over max-length padded
+tokens, the mask kept; bit for bit against the pipeline's encode_prompt), the token layout, the
+schedule (dynamic shift from the token count), the deterministic ODE path and the decode are the
+pipeline's, unguided and guided, the sampler's log-probabilities are the trainer's re-scoring bit
+for bit, only the transformer trains, and the driver runs both recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from miles_diffusion.deterministic import check_attention_backends
+from miles_diffusion.families import check_family_guidance, family_for, load_model
+from miles_diffusion.flow_grpo import FlowGRPOConfig
+from miles_diffusion.guidance import guided_velocity
+from miles_diffusion.ltx import LTXEncodings, LTXFlowModel, from_tokens, to_tokens
+from miles_diffusion.objectives import TrainerConfig
+from miles_diffusion.sampler import SamplerConfig, sample, sample_seeded, step_log_prob
+from miles_diffusion.train import main, resolve_model_dir
+from miles_diffusion.trainer import FlowGRPOTrainer
+
+PROMPTS = ("a red cube on a table", "two cats", "waves & rocks at dusk, seen from a cliff!")
+SIZE = {"height": 32, "width": 32, "num_frames": 5, "max_sequence_length": 32}
+
+
+@pytest.fixture(scope="module")
+def proxy_dir() -> Path:
+    return resolve_model_dir("builtin:tiny-ltx")
+
+
+@pytest.fixture(scope="module")
+def model(proxy_dir: Path) -> LTXFlowModel:
+    loaded = load_model(proxy_dir, prompts=PROMPTS)
+    assert isinstance(loaded, LTXFlowModel)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def pipe(proxy_dir: Path) -> Any:
+    from diffusers import LTXPipeline
+
+    pipe = LTXPipeline.from_pretrained(str(proxy_dir), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _copy(proxy_dir: Path, dest: Path, **changes: Any) -> Path:
+    dest.mkdir()
+    index = json.loads((proxy_dir / "model_index.json").read_text())
+    (dest / "model_index.json").write_text(json.dumps({**index, **changes}))
+    return dest
+
+
+def _ode(model: LTXFlowModel, noise: torch.Tensor, ids: list[int], steps: int, w: float) -> torch.Tensor:
+    """The deterministic Euler path through our (guided) velocity over our sigmas."""
+    sigmas = model.timestep_schedule(steps)
+    x, prompts = noise, torch.tensor(ids)
+    with torch.no_grad():
+        for i in range(steps):
+            v = guided_velocity(model, x, sigmas[i].expand(len(ids)), prompts, w)
+            x = x + (sigmas[i + 1] - sigmas[i]) * v
+    return x
+
+
+def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None:
+    assert family_for(proxy_dir).name == "ltx"
+    other = _copy(proxy_dir, tmp_path / "umt5", text_encoder=["transformers", "UMT5EncoderModel"])
+    with pytest.raises(ValueError, match=r"^[^\n]*the ltx family loads T5EncoderModel \(transformers\)$"):
+        load_model(other, prompts=PROMPTS)
+    with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):
+        load_model(proxy_dir)
+    # a patching transformer: a full copy with patch_size 2 is refused in one line
+    import shutil
+
+    patched = tmp_path / "patched"
+    shutil.copytree(proxy_dir, patched)
+    config = json.loads((patched / "transformer" / "config.json").read_text())
+    (patched / "transformer" / "config.json").write_text(json.dumps({**config, "patch_size": 2}))
+    with pytest.raises(ValueError, match=r"^[^\n]*one token per latent voxel \(patch sizes 1\)$"):
+        load_model(patched, prompts=PROMPTS)
+    # LTXPipeline's guidance is the shared CFG: a scale above 1 is accepted before loading
+    check_family_guidance(family_for(proxy_dir), 3.0)
+
+
+def test_the_token_layout_is_the_pipelines(pipe: Any) -> None:
+    latents = torch.randn(2, 8, 3, 4, 4)
+    tokens = to_tokens(latents)
+    assert tokens.shape == (2, 48, 8)
+    assert torch.equal(tokens, pipe._pack_latents(latents, 1, 1))
+    assert torch.equal(from_tokens(tokens, 3, 4, 4), latents)
+    assert torch.equal(pipe._unpack_latents(tokens, 3, 4, 4, 1, 1), latents)
+
+
+def test_conditioning_is_ltxs(model: LTXFlowModel, pipe: Any) -> None:
+    """Each prompt's encodings and mask equal the pipeline's encode_prompt at the same text length
+    bit for bit, and the empty prompt (the unconditional branch) its default negative prompt's."""
+    ours = model.encode_prompts(torch.tensor([1, 0, 2]))
+    assert isinstance(ours, LTXEncodings) and ours.sequence.shape == (3, 32, 32)
+    with torch.no_grad():
+        theirs, mask, neg, neg_mask = pipe.encode_prompt(
+            prompt=[PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+            do_classifier_free_guidance=True,
+            max_sequence_length=32,
+        )
+    assert torch.equal(ours.sequence, theirs) and torch.equal(ours.mask, mask.long())
+    assert int(ours.mask[0].sum()) == len(PROMPTS[1].replace(" ", "")) + 1  # characters and </s>
+    null = model.encode_texts([""])
+    assert torch.equal(null.sequence, neg[:1]) and torch.equal(null.mask, neg_mask[:1].long())
+
+
+@pytest.mark.parametrize("w", [1.0, 3.0])
+def test_schedule_the_ode_path_and_the_decode_are_the_pipelines(
+    model: LTXFlowModel, pipe: Any, w: float
+) -> None:
+    """Same initial noise: the Euler ODE through our velocity (guided as LTXPipeline guides at w = 3:
+    the empty negative prompt, v_u + w (v_c - v_u)) gives the pipeline's final latents and frames over
+    its own sigmas (dynamic shift from the 48 video tokens, shift_terminal 0.1)."""
+    steps = 4
+    noise = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(3))
+    texts = [PROMPTS[0], PROMPTS[2]]
+    with torch.no_grad():
+        theirs = pipe(
+            prompt=texts,
+            latents=to_tokens(noise),
+            num_inference_steps=steps,
+            guidance_scale=w,
+            output_type="latent",
+            **SIZE,
+        ).frames
+    sigmas = model.timestep_schedule(steps)
+    assert torch.equal(sigmas, pipe.scheduler.sigmas.float())
+    assert float(sigmas[-2]) == pytest.approx(0.1)  # LTX's shift_terminal
+    ours = _ode(model, noise, [0, 2], steps, w)
+    torch.testing.assert_close(ours, from_tokens(theirs, 3, 4, 4), rtol=1e-5, atol=1e-5)
+    if w == 1.0:
+        assert (ours - _ode(model, noise, [0, 2], steps, 3.0)).abs().max() > 1e-3
+        with torch.no_grad():
+            frames = pipe(
+                prompt=texts,
+                latents=to_tokens(noise),
+                num_inference_steps=steps,
+                guidance_scale=w,
+                output_type="pt",
+                **SIZE,
+            ).frames  # [B, frames, 3, H, W]
+        images = model.to_images(ours)
+        assert images.shape == (2, 3, 32, 5 * 32)
+        strip = frames.permute(0, 2, 3, 1, 4).reshape(2, 3, 32, 5 * 32)
+        torch.testing.assert_close(images, strip, rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_log_probs_equal_the_trainers_rescoring(model: LTXFlowModel) -> None:
+    prompts = torch.tensor([2, 0, 2, 1])
+    distinct, inverse = torch.unique(prompts, return_inverse=True)
+    encoded = model.encode_prompts(distinct)[inverse]
+    config = SamplerConfig(num_steps=4, noise_level=0.7)
+    engine = sample_seeded(model, prompts, [11, 12, 13, 14], config, encoded=encoded)
+    driver = sample(model, prompts, config, torch.Generator().manual_seed(0))
+    for trajectory in (engine, driver):
+        assert trajectory.latents.shape == (4, 5, 8, 3, 4, 4)
+        for step in range(config.num_steps):
+            with torch.no_grad():
+                rescored, _, _ = step_log_prob(model, trajectory, step, config.noise_level)
+            assert torch.equal(rescored, trajectory.log_probs[:, step]), step
+    # a prompt's velocity does not depend on its batch (fixed text length): one row alone equals it
+    x, t = engine.latents[:, 1], torch.full((4,), 0.5)
+    with torch.no_grad():
+        together = model(x, t, prompts)
+        alone = model(x[1:2], t[1:2], prompts[1:2])
+    torch.testing.assert_close(alone, together[1:2], rtol=0, atol=1e-6)
+    check_attention_backends(model)
+
+
+def test_only_the_transformer_trains(proxy_dir: Path) -> None:
+    model = load_model(proxy_dir, prompts=PROMPTS)
+    assert isinstance(model, LTXFlowModel)
+    assert set(model.frozen_modules()) == {"vae", "text_encoder"}
+    assert all(name.startswith("transformer.") for name in model.state_dict())
+    frozen_params = [p for m in model.frozen_modules().values() for p in m.parameters()]
+    assert frozen_params and not any(p.requires_grad for p in frozen_params)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = FlowGRPOTrainer(model, FlowGRPOConfig(clip_range=0.05), TrainerConfig(lr=1e-2), 0.7)
+    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for p in model.transformer.parameters()}
+    trajectory = sample(
+        model, torch.tensor([0, 0, 1, 1]), SamplerConfig(num_steps=3), torch.Generator().manual_seed(1)
+    )
+    stats = trainer.train_step(trajectory, torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 2])
+    assert stats["grad_norm"] > 0 and all(p.grad is None for p in frozen_params)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) > len(before) // 2
+
+
+def test_one_driver_iteration_of_each_recipe_prints_its_level(
+    proxy_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The proxy recipe, and the real one (BF16 with FP32 modules named on LTX's transformer)
+    pointed at the proxy's directory, one iteration each through the driver."""
+    main(["ltx_flow_grpo_proxy", "--iterations", "1", "--out", str(tmp_path / "proxy")])
+    assert "recipe ltx_flow_grpo_proxy: evidence level proxy gated" in capsys.readouterr().out
+    main(["ltx_flow_grpo", "--model", str(proxy_dir), "--iterations", "1", "--out", str(tmp_path / "real")])
+    assert "recipe ltx_flow_grpo: evidence level not verified" in capsys.readouterr().out
+    (line,) = (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()
+    assert {"reward/mean", "train/loss", "eval/reward_before", "eval/reward_after"} <= set(json.loads(line))
