@@ -22,7 +22,9 @@ the adapter's parameters only, every weight update sends the adapter's tensors o
 merges them into its base weights on arrival. The engine gets the adapter's configuration once,
 before the first rollout, from the initial adapter (B = 0) written under ``<run dir>/lora/``.
 Checkpoints then hold the adapter (a peft directory) and a digest of the base it belongs to; the
-export is a peft adapter directory that ``PeftModel.from_pretrained`` loads onto the base.
+export is a peft adapter directory that ``PeftModel.from_pretrained`` loads onto the base. On a pipeline
+family's model (SD3, Wan) the adapter wraps the transformer (the only part that trains): its factors travel as
+``transformer.<module>.lora_A.<name>.weight``, and the export loads onto the base's bare transformer.
 
 In ``mode: sft`` (``algorithm.loss: diffusion_sft``) it trains flow matching on the image samples the
 core's supervised stage hands it instead (:mod:`miles_diffusion.supervised`): no engines, no transport.
@@ -103,6 +105,7 @@ class DiffusionBackend:
         self._lora: LoraSection | None = None
         self._peft: Any = None  # the peft model around the policy (LoRA only)
         self._base_digest = ""
+        self._lora_prefix = ""  # the adapter root's path in the model (``transformer.`` for a pipeline)
         self._run_dir = ""
 
     # ------------------------------------------------------------------ setup
@@ -144,13 +147,13 @@ class DiffusionBackend:
         if section.deterministic:
             check_attention_backends(model)
         self._lora = miles.lora.section(run)
-        if self._lora is not None and not isinstance(model, FlowModel):
-            raise ConfigError(f"{WHO}: lora trains the tiny UNet only so far, not a {type(model).__name__}")
         if self._lora is not None:
-            # peft injects the adapter into ``model`` itself: the objectives train it as before,
-            # and only the adapter's parameters require gradients (the optimizer takes only those).
+            # peft injects the adapter into ``model`` (or a pipeline's transformer) itself: the objectives
+            # train it as before, and only the adapter's parameters require gradients (the optimizer
+            # takes only those).
             self._peft = lora_mod.wrap(model, self._lora, spec.model_path)
-            self._base_digest = _digest(spec.model_path)
+            self._lora_prefix = lora_mod.adapter_prefix(model)
+            self._base_digest = _digest(spec.model_path, bool(self._lora_prefix))
             self._run_dir = _run_dir(run)
         trainer = TrainerConfig(
             lr=train.lr,
@@ -256,7 +259,8 @@ class DiffusionBackend:
         assert self._transport is not None
         with torch.no_grad():
             if self._lora is not None:  # the adapter alone; the engine merges it into its base
-                return self._transport.send(lora_mod.adapter_tensors(self._peft, self._lora.name), version)
+                tensors = lora_mod.adapter_tensors(self._peft, self._lora.name, self._lora_prefix)
+                return self._transport.send(tensors, version)
             return self._transport.send(iter(model.state_dict().items()), version)
 
     def reconnect_transport(self) -> None:
@@ -304,6 +308,9 @@ class DiffusionBackend:
         """The checkpoint's weights, refused whole if it is of the other kind (LoRA / full) or, for an
         adapter, of another base (the adapter's delta means nothing on other weights)."""
         has_adapter = os.path.isdir(os.path.join(directory, ADAPTER_DIR))
+        if self._lora is not None or has_adapter:
+            self._load_adapter(directory, state, has_adapter)
+            return
         if isinstance(model, PipelineFlowModel):
             if not os.path.isdir(os.path.join(directory, TRANSFORMER_DIR)):
                 raise ConfigError(
@@ -317,16 +324,16 @@ class DiffusionBackend:
                 ) from None
             return
         assert isinstance(model, FlowModel)
+        restored = load_pretrained(os.path.join(directory, MODEL_DIR))
+        if restored.config != model.config:
+            raise ConfigError(f"{WHO}: the checkpoint holds a model of another shape ({restored.config})")
+        model.load_state_dict(restored.state_dict())
+
+    def _load_adapter(self, directory: str, state: dict[str, Any], has_adapter: bool) -> None:
         if self._lora is None:
-            if has_adapter:
-                raise ConfigError(
-                    f"{WHO}: {directory} holds a LoRA adapter checkpoint; resume it with its lora section"
-                )
-            restored = load_pretrained(os.path.join(directory, MODEL_DIR))
-            if restored.config != model.config:
-                raise ConfigError(f"{WHO}: the checkpoint holds a model of another shape ({restored.config})")
-            model.load_state_dict(restored.state_dict())
-            return
+            raise ConfigError(
+                f"{WHO}: {directory} holds a LoRA adapter checkpoint; resume it with its lora section"
+            )
         if not has_adapter:
             raise ConfigError(
                 f"{WHO}: {directory} holds full weights, not a LoRA adapter; resume it without a lora section"
@@ -342,12 +349,16 @@ class DiffusionBackend:
     def export_hf(self, directory: str) -> None:
         """The policy as a model directory (what the engine and ``model.path`` load); under LoRA a peft
         adapter directory (``PeftModel.from_pretrained(base, directory)``; the engine's
-        ``/load_lora_adapter`` merges it)."""
+        ``/load_lora_adapter`` merges it), and for a pipeline family's transformer also the same factors
+        as diffusers' ``pytorch_lora_weights.safetensors`` (``pipeline.load_lora_weights(directory)``)."""
         model = self._policy()
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, directory)
+            if self._lora_prefix:  # a pipeline's transformer: diffusers' load_lora_weights reads it too
+                lora_mod.save_for_diffusers(self._peft, directory, self._lora_prefix)
             return
-        if isinstance(model, PipelineFlowModel):  # a whole pipeline: the base's frozen parts, this transformer
+        if isinstance(model, PipelineFlowModel):
+            # a whole pipeline: the base's frozen parts, this transformer
             export_pipeline(model, self._model_path, directory)
             return
         assert isinstance(model, FlowModel)
@@ -385,12 +396,21 @@ class DiffusionBackend:
         return self._model
 
 
-def _digest(model_path: str) -> str:
-    """sha256 of the base's weights file: a LoRA checkpoint belongs to these exact weights."""
+def _digest(model_path: str, pipeline: bool = False) -> str:
+    """sha256 of the base's weights: a LoRA checkpoint belongs to these exact weights (the tiny UNet's
+    weights file; a pipeline's transformer weights files, in name order: the adapter's root)."""
+    if pipeline:
+        root = os.path.join(model_path, TRANSFORMER_DIR)
+        files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".safetensors"))
+    else:
+        files = [os.path.join(model_path, WEIGHTS_FILE)]
     h = hashlib.sha256()
-    with open(os.path.join(model_path, WEIGHTS_FILE), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for path in files:
+        if pipeline:
+            h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 

@@ -64,11 +64,9 @@ def check_recipe(config: Any) -> None:
         )
     _refuse_unwired(config)
     _refuse_token_settings(config)
-    text_family = _check_prompt_texts(config)
+    _check_prompt_texts(config)
     _check_guidance(config)
     if config.lora is not None:
-        if text_family:
-            raise ConfigError("lora: the diffusion slice trains LoRA adapters on the tiny UNet only so far")
         _check_lora(config)
 
 
@@ -125,21 +123,14 @@ def _check_guidance(config: Any) -> None:
 
 
 def _check_lora(config: Any) -> None:
-    """Target modules the denoiser lacks (or cannot merge), and the multi-adapter form, refused now."""
-    import torch
+    """Target modules the denoiser lacks (or cannot merge), and the multi-adapter form, refused now.
 
+    The targets are names under the adapter's root: the tiny UNet model, or a pipeline family's
+    transformer (sd3, wan), built on the meta device from the directory's config (no weights load)."""
     from miles.models.registry import resolve_model
-    from miles_diffusion.lora import check_targets
-    from miles_diffusion.model import FlowModel, read_model_config
+    from miles_diffusion.lora import check_targets, root_on_meta
 
-    path = resolve_model(config.model.path)
-    try:
-        shape = read_model_config(path)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    with torch.device("meta"):
-        model = FlowModel(shape)
-    check_targets(model, config.lora)
+    check_targets(root_on_meta(resolve_model(config.model.path)), config.lora)
 
 
 def _refuse_unwired(config: Any) -> None:

@@ -13,6 +13,12 @@ dropout, target_modules), read here for the denoiser instead of a language model
 * :func:`save_adapter` / :func:`load_adapter` write and read a peft adapter directory
   (``PeftModel.from_pretrained(base, directory)`` loads it onto the base model).
 
+The adapter's root (:func:`adapter_root`) is the module peft wraps: the whole tiny UNet model, or a
+pipeline family's transformer (SD3, Wan: the only part that trains), so that a pipeline's exported
+adapter loads onto the bare transformer (``PeftModel.from_pretrained(transformer, directory)``).
+Target modules are names under the root; the engine names factors by their path in the whole model,
+the root's prefix (``transformer.``) before the module.
+
 The engine's side, merging on arrival, is :mod:`miles_diffusion.engine.merge`.
 """
 
@@ -36,6 +42,57 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MERGEABLE = (nn.Linear, nn.Conv2d)
 _FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+
+
+TRANSFORMER_PREFIX = "transformer."  # a pipeline family's adapter root in the whole model
+
+
+def adapter_root(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module the adapter wraps and its path prefix in ``model``: a pipeline family's transformer
+    (``transformer.``), or the model itself (no prefix)."""
+    from miles_diffusion.pipeline_model import PipelineFlowModel
+
+    if isinstance(model, PipelineFlowModel):
+        return model.transformer, TRANSFORMER_PREFIX
+    return model, ""
+
+
+def adapter_prefix(model: nn.Module) -> str:
+    """Where the adapter's module paths sit in ``model`` (what the engine puts before them)."""
+    return adapter_root(model)[1]
+
+
+def root_on_meta(directory: str | Path) -> nn.Module:
+    """The adapter's root of the model in ``directory`` built on the meta device from its config, no
+    weights read: the tiny UNet model from ``config.json``, or a pipeline's transformer from the class
+    ``model_index.json`` names and ``transformer/config.json`` (what :func:`check_targets` reads)."""
+    import json
+
+    root = Path(directory)
+    index = root / "model_index.json"
+    if index.is_file():
+        entry = json.loads(index.read_text()).get(TRANSFORMER_PREFIX.rstrip("."))
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
+            raise ConfigError(
+                f"{directory}: model_index.json names no diffusers transformer for lora to adapt ({entry!r})"
+            )
+        import diffusers
+
+        cls = getattr(diffusers, str(entry[1]), None)
+        if cls is None:
+            raise ConfigError(f"{directory}: diffusers has no transformer class {entry[1]!r}")
+        config = cls.load_config(str(root / TRANSFORMER_PREFIX.rstrip(".")))
+        with torch.device("meta"):
+            module: nn.Module = cls.from_config(config)
+        return module
+    from miles_diffusion.model import FlowModel, read_model_config
+
+    try:
+        shape = read_model_config(root)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    with torch.device("meta"):
+        return FlowModel(shape)
 
 
 def tensor_name(module: str, factor: str, adapter: str) -> str:
@@ -116,8 +173,9 @@ def _peft_config(lora: LoraSection) -> Any:
 def wrap(model: nn.Module, lora: LoraSection, base_path: str) -> Any:
     """The policy with a peft LoRA adapter (B starts at zero: the wrapped model is the base, exactly).
 
-    peft injects the adapter's layers into ``model`` itself; ``result.get_base_model()`` is ``model``,
-    which the objectives keep training through. Only the adapter's parameters require gradients."""
+    peft injects the adapter's layers into the adapter's root (:func:`adapter_root`: ``model`` or its
+    transformer) itself; ``result.get_base_model()`` is that root, and ``model`` keeps training through
+    it. Only the adapter's parameters require gradients (a pipeline's frozen parts never did)."""
     try:
         from peft import get_peft_model
     except ImportError:
@@ -125,10 +183,13 @@ def wrap(model: nn.Module, lora: LoraSection, base_path: str) -> Any:
             "lora: the diffusion backend trains LoRA with peft, which is not installed; "
             "pip install 'peft>=0.13'"
         ) from None
-    check_targets(model, lora)
-    peft_model = get_peft_model(model, _peft_config(lora), adapter_name=PEFT_ADAPTER)
-    # Where the exported adapter's base lives (peft would take a name_or_path the model lacks).
-    peft_model.peft_config[PEFT_ADAPTER].base_model_name_or_path = os.path.abspath(base_path)
+    root, prefix = adapter_root(model)
+    check_targets(root, lora)
+    peft_model = get_peft_model(root, _peft_config(lora), adapter_name=PEFT_ADAPTER)
+    # Where the exported adapter's base lives (peft would take a name_or_path the model lacks): the
+    # model directory, or a pipeline's transformer folder.
+    base = os.path.join(base_path, prefix.rstrip(".")) if prefix else base_path
+    peft_model.peft_config[PEFT_ADAPTER].base_model_name_or_path = os.path.abspath(base)
     return peft_model
 
 
@@ -140,14 +201,15 @@ def adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def adapter_tensors(peft_model: Any, adapter: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole current adapter under the engine's names (every update carries all of it)."""
+def adapter_tensors(peft_model: Any, adapter: str, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole current adapter under the engine's names (every update carries all of it); ``prefix``
+    is the adapter root's path in the engine's model (:func:`adapter_prefix`)."""
     for name, tensor in adapter_state(peft_model).items():
         parts = split_name(name.removeprefix(PEFT_PREFIX))
         if parts is None:
             raise RuntimeError(f"peft's adapter state holds {name!r}, which is not a LoRA factor")
         module, factor, _ = parts
-        yield tensor_name(module, factor, adapter), tensor.detach()
+        yield tensor_name(prefix + module, factor, adapter), tensor.detach()
 
 
 def adapter_bytes(peft_model: Any) -> int:
@@ -159,6 +221,37 @@ def save_adapter(peft_model: Any, directory: str | Path) -> Path:
     """A peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)."""
     dest = Path(directory)
     peft_model.save_pretrained(str(dest), selected_adapters=[PEFT_ADAPTER], safe_serialization=True)
+    return dest
+
+
+DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"  # the file diffusers' load_lora_weights reads
+DIFFUSERS_METADATA = "lora_adapter_metadata"  # its safetensors metadata key for the adapter's config
+
+
+def save_for_diffusers(peft_model: Any, directory: str | Path, prefix: str) -> Path:
+    """Beside the peft files, the same factors in the layout a diffusers pipeline's
+    ``load_lora_weights(directory)`` reads: ``<component>.<module>.lora_A.weight`` (the component is
+    the adapter root's name, ``transformer``), rank, alpha and modules as the file's metadata under
+    ``<component>.``-prefixed keys (so the pipeline builds the adapter's scale, alpha/r, from them)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state = adapter_state(peft_model)
+    tensors: dict[str, torch.Tensor] = {}
+    modules: set[str] = set()
+    for name, tensor in state.items():
+        parts = split_name(name.removeprefix(PEFT_PREFIX))
+        if parts is None:
+            raise RuntimeError(f"peft's adapter state holds {name!r}, which is not a LoRA factor")
+        module, factor, _ = parts
+        modules.add(module)
+        tensors[f"{prefix}{module}.lora_{factor}.weight"] = tensor.detach().contiguous()
+    config = peft_model.peft_config[PEFT_ADAPTER]
+    settings = {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(modules)}
+    metadata = {DIFFUSERS_METADATA: json.dumps({prefix + k: v for k, v in settings.items()}), "format": "pt"}
+    dest = Path(directory) / DIFFUSERS_WEIGHTS
+    save_file(tensors, str(dest), metadata=metadata)
     return dest
 
 

@@ -13,6 +13,11 @@ after many updates.
 ``/load_lora_adapter`` brings the adapter's configuration (rank, alpha, modules) once, as a peft
 directory (the trainer's initial adapter, or its export when the fleet catches up a restarted
 engine); weight updates then carry only the factors, named ``<module>.lora_A.<adapter>.weight``.
+
+A pipeline family's adapter wraps its transformer (:func:`miles_diffusion.lora.adapter_root`): the
+peft directory names modules under the transformer (``transformer_blocks.0.attn.to_q``), and the
+merger puts the root's prefix before them (``transformer.transformer_blocks.0.attn.to_q``, the
+module's path in the engine's model and the name its factors arrive under).
 """
 
 from __future__ import annotations
@@ -64,8 +69,11 @@ def _expected(module: nn.Module, rank: int) -> tuple[tuple[int, ...], tuple[int,
 class AdapterMerger:
     """Keeps the base weights of the adapted modules and merges the current adapter into the model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, prefix: str = "") -> None:
         self.model = model
+        self.prefix = prefix
+        """The adapter root's path in ``model`` (``transformer.`` for a pipeline family), put before
+        the module paths of a peft directory."""
         self.modules = {
             name: mod
             for name, mod in model.named_modules()
@@ -88,7 +96,7 @@ class AdapterMerger:
             if parts is None:
                 raise LoraError(f"adapter {path!r} holds {key!r}, which is not a lora_A / lora_B weight")
             module, factor, _ = parts
-            pairs.setdefault(module, {})[factor] = tensor
+            pairs.setdefault(self.prefix + module, {})[factor] = tensor
         if not pairs:
             raise LoraError(f"adapter {path!r} holds no lora_A / lora_B tensors")
         adapter = MergedAdapter(name=name, path=str(path), rank=rank, scale=scale)

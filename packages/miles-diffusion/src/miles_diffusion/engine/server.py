@@ -56,7 +56,7 @@ from miles_diffusion.denoiser import Conditioning, DiffusionModel
 from miles_diffusion.engine.merge import AdapterMerger
 from miles_diffusion.families import load_for_engine
 from miles_diffusion.guidance import GuidanceError, check_model
-from miles_diffusion.lora import split_name
+from miles_diffusion.lora import adapter_prefix, split_name
 from miles_diffusion.model import WEIGHTS_FILE, FlowModel, read_model_config
 from miles_diffusion.pipeline_model import PipelineFlowModel
 from miles_diffusion.precision import PrecisionConfig
@@ -195,7 +195,7 @@ class DiffusionEngine:
         self.lock = threading.Lock()
         self._staged: dict[str, torch.Tensor] = {}
         self._expected = {name: (tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()}
-        self.merger = AdapterMerger(self.model)
+        self.merger = AdapterMerger(self.model, adapter_prefix(self.model))
 
     # ------------------------------------------------------------ generation
 
