@@ -79,7 +79,8 @@ class DiffusionModel(nn.Module, metaclass=ABCMeta):
         ...
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
-        """The ``num_steps + 1`` times the sampler visits, from 1 to 0 (default: evenly spaced)."""
+        """The ``num_steps + 1`` times the sampler visits, from 1 to 0 (default: evenly spaced). A
+        family may start below 1 (Cosmos); the sampler then scales its initial noise by the first time."""
         return linear_schedule(num_steps)
 
     def frozen_modules(self) -> dict[str, nn.Module]:

@@ -174,6 +174,11 @@ def _sample(
     # device (CUDA generators draw other numbers), so a GPU engine's trajectories replay on a CPU.
     device = next(model.parameters()).device
     x = draw(shape).to(device)
+    start = float(times[0])
+    if start != 1.0:
+        # pure noise at a first time below 1 (Cosmos: sigma_max is finite) is x = t0 * noise, the
+        # image term (1 - t0) x_0 dropped; skipped at t0 = 1 so other families' draws stay bit-exact
+        x = x * start
     latents = [x]
     log_probs = []
     for i in range(config.num_steps):
