@@ -2,7 +2,7 @@
 its family, the conditioning is Wan's (checked against diffusers' own WanPipeline), the sampler's
 log-probabilities over [C, F, h, w] video latents are the trainer's re-scoring bit for bit, only the
 transformer trains, the driver runs the proxy recipe, and the core path accepts the family
-(test_core_wan.py runs it through miles run)."""
+(test_core_families.py runs it through miles run)."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_one_driver_iteration_of_each_recipe_prints_its_level(
 
 
 def test_the_core_path_accepts_wan(proxy_dir: Path) -> None:
-    """``miles run`` serves the wan family (tests/diffusion/test_core_wan.py runs it): the core's
+    """``miles run`` serves the wan family (tests/diffusion/test_core_families.py runs it): the core's
     checks and the component checks pass on the built-in and on its directory (nothing starts)."""
     from miles.config import load_recipe
     from miles.driver.preflight import close_components, preflight
