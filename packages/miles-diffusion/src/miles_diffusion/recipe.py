@@ -2,7 +2,9 @@
 
 The ``objective`` section names a registered objective (``name``, default ``flow_grpo``; see
 :mod:`miles_diffusion.objectives`) and sets that objective's own config. A supervised objective
-(``sft``) also needs a ``dataset`` section; a rollout objective needs a ``reward``.
+(``sft``) also needs a ``dataset`` section; a rollout objective needs a ``reward``. A ``lora``
+section (the core's: ``rank``, ``alpha``, ``dropout``, ``target_modules``, ``name``) trains a peft
+adapter instead of every weight (:mod:`miles_diffusion.lora`; the driver writes it to ``DIR/adapter``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from miles.config.schema import LoraSection
 from miles_diffusion.datasets import ShapesDatasetConfig
 from miles_diffusion.flow_grpo import FlowGRPOConfig
 from miles_diffusion.guidance import check_unconditional
@@ -57,6 +60,8 @@ class DiffusionRecipe:
     """The given images a supervised objective trains on."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Compute dtype of the model's forward and the modules kept in FP32 (default: all FP32)."""
+    lora: LoraSection | None = None
+    """A LoRA adapter on the denoiser (a pipeline family's transformer) instead of every weight."""
 
     def __post_init__(self) -> None:
         if self.evidence_level not in EVIDENCE_LEVELS:
@@ -68,6 +73,8 @@ class DiffusionRecipe:
         check_guidance(self.objective, self.sampler.guidance_scale)
         if isinstance(self.model, TinyFlowModelConfig):
             check_unconditional("the tiny UNet (model: a shape)", False, self.sampler.guidance_scale)
+        if self.lora is not None and self.trainer.fsdp_ranks > 1:
+            raise ValueError("lora: the driver trains an adapter on one rank only (trainer.fsdp_ranks: 1)")
         if self.trainer.fsdp_ranks > 1 and self.objective.name != FlowGRPOConfig.name:
             raise ValueError(
                 f"trainer.fsdp_ranks: FSDP2 data-parallel training is for flow_grpo only so far, "
@@ -107,6 +114,8 @@ def recipe_from_dict(data: dict[str, Any]) -> DiffusionRecipe:
             if key == "model" and isinstance(values[key], str):
                 continue  # a model directory (path or builtin:NAME)
             values[key] = _build(cls, values[key] or {})
+    if values.get("lora") is not None:
+        values["lora"] = LoraSection(**values["lora"])
     if "objective" in values:
         section = dict(values["objective"] or {})
         values["objective"] = objective_config(section.pop("name", DEFAULT_OBJECTIVE), section)

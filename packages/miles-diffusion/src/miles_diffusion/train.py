@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -210,6 +211,7 @@ def _run(
     model.eval()
     if recipe.deterministic:
         check_attention_backends(model)
+    peft_model = _wrap_lora(recipe, model)  # before the objective: its optimizer takes the adapter only
     reward = load_reward(recipe.reward.name, recipe.reward.options) if recipe.reward else None
     objective = build_objective(recipe.objective, ObjectiveContext(model, recipe.trainer, recipe.sampler))
     if recipe.trainer.fsdp_ranks > 1:
@@ -257,7 +259,30 @@ def _run(
     finally:
         if sink is not None:
             sink.close()
+    if peft_model is not None and out_dir is not None:
+        from miles_diffusion import lora as lora_mod
+
+        lora_mod.save_adapter(peft_model, out_dir / ADAPTER_DIR)
     return history
+
+
+ADAPTER_DIR = "adapter"
+"""Where a LoRA recipe's trained adapter goes under ``--out``: a peft adapter directory."""
+
+
+def _wrap_lora(recipe: DiffusionRecipe, model: DiffusionModel) -> Any:
+    """The peft model around the recipe's adapter root (None without ``lora``): the tiny UNet model
+    or a pipeline family's transformer, its targets checked first (one ValueError naming the allowed)."""
+    if recipe.lora is None:
+        return None
+    from miles.errors import ConfigError
+    from miles_diffusion import lora as lora_mod
+
+    base = str(resolve_model_dir(recipe.model)) if isinstance(recipe.model, str) else ""
+    try:
+        return lora_mod.wrap(model, recipe.lora, base)
+    except ConfigError as exc:
+        raise ValueError(f"recipe {recipe.name}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
