@@ -83,6 +83,16 @@ def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None
     (patched / "transformer" / "config.json").write_text(json.dumps({**config, "patch_size": 2}))
     with pytest.raises(ValueError, match=r"^[^\n]*one token per latent voxel \(patch sizes 1\)$"):
         load_model(patched, prompts=PROMPTS)
+    (patched / "transformer" / "config.json").write_text(json.dumps(config))
+    vae_config = json.loads((patched / "vae" / "config.json").read_text())
+    noisy = {**vae_config, "decoder_inject_noise": [False, False, True]}
+    (patched / "vae" / "config.json").write_text(json.dumps(noisy))
+    with pytest.raises(ValueError, match=r"^[^\n]*injects random noise while decoding[^\n]*$"):
+        load_model(patched, prompts=PROMPTS)
+    (patched / "vae" / "config.json").write_text(json.dumps(vae_config))
+    (patched / "miles_video.json").write_text(json.dumps({"num_frames": 6}))
+    with pytest.raises(ValueError, match=r"^[^\n]*needs 1 \+ a multiple of 2 frames[^\n]*$"):
+        load_model(patched, prompts=PROMPTS)
     # LTXPipeline's guidance is the shared CFG: a scale above 1 is accepted before loading
     check_family_guidance(family_for(proxy_dir), 3.0)
 
