@@ -22,6 +22,7 @@ RECIPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_the_driver_trains_and_writes_the_transformers_adapter(name: str, tmp_path: Path) -> None:
     recipe = replace(load_recipe(name), num_iterations=2)
