@@ -1,5 +1,5 @@
 """``miles run <family>_flow_grpo_proxy`` through the core CLI, one case per pipeline family served
-the same way (Wan 2.x text-to-video, Qwen-Image; SD3 has its own file, ``test_core_sd3.py``, for what
+the same way (Wan 2.x text-to-video, Qwen-Image, LTX-Video, Cosmos-Predict2; SD3 has its own file, ``test_core_sd3.py``, for what
 only it checks: microgroups, streamed frames, the real-model recipe).
 
 Each family's scaled-down random pipeline (``builtin:tiny-<family>``) is served by the diffusion
@@ -39,6 +39,7 @@ from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wire import unpack
 
 from ._standards import assert_matches_standard, write_standard
+from .test_cosmos import PassThroughChecker
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +70,8 @@ class Family:
     texts: tuple[str, ...]  # the recipe's rollout.options.prompts
     latent: tuple[int, ...]  # one trajectory step's latents
     image: tuple[int, ...]  # one decoded image
+    rewards: tuple[float, float] = (0.0, 1.0)  # where the recipe's reward means lie (brightness)
+    needs_safety_checker: bool = False  # the pipeline refuses to be built without one (Cosmos)
 
     @property
     def standard(self) -> str:  # the whole recipe through miles run (compared with -m extended)
@@ -109,6 +112,37 @@ FAMILIES = {
             ),
             latent=(4, 8, 8),  # [C, h, w] of the proxy's 32x32 images
             image=(3, 32, 32),
+        ),
+        Family(
+            "ltx_flow_grpo_proxy",
+            "builtin:tiny-ltx",
+            "ltx",
+            "LTXPipeline",
+            (
+                "a red balloon drifting over a city",
+                "waves rolling onto a beach at sunset",
+                "a cat chasing a ball of yarn",
+                "a timelapse of clouds over mountains",
+            ),
+            latent=(8, 3, 4, 4),  # [C, F, h, w] of the proxy's 5 frames of 32x32
+            image=(3, 32, 5 * 32),  # the frames side by side
+            rewards=(-6.0, -4.0),  # JPEG compressibility: minus kilobytes per image
+        ),
+        Family(
+            "cosmos_flow_grpo_proxy",
+            "builtin:tiny-cosmos",
+            "cosmos",
+            "Cosmos2TextToImagePipeline",
+            (
+                "a red balloon over a city skyline",
+                "a bowl of ripe lemons on a wooden table",
+                "a lighthouse on a rocky coast at night",
+                "a watercolour of a fox in the snow",
+            ),
+            latent=(4, 8, 8),  # [C, h, w] of the proxy's 32x32 images
+            image=(3, 32, 32),
+            # cosmos_guardrail is not installed here: test_cosmos.py's pass-through stand-in
+            needs_safety_checker=True,
         ),
     )
 }
@@ -191,7 +225,8 @@ def test_miles_run_trains_resumes_and_exports_the_proxy(family: Family, tmp_path
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert [r["engine/weight_version"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["train/trajectories"] == 16 and 0.0 < r["rollout/reward_mean"] < 1.0 for r in rows)
+    low, high = family.rewards
+    assert all(r["train/trajectories"] == 16 and low < r["rollout/reward_mean"] < high for r in rows)
     # Engine (groups of 4, texts from the request) and trainer (16 at once, texts from the recipe)
     # agree exactly on the first denoising step's log-probability, before the step's update.
     assert all(r["train/logprob_mismatch_max"] == 0.0 for r in rows)
@@ -209,7 +244,8 @@ def test_miles_run_trains_resumes_and_exports_the_proxy(family: Family, tmp_path
     # The export is a whole diffusers directory with the trained transformer, loaded by the
     # family's own diffusers pipeline.
     final = run_dir / "final"
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(str(final))
+    extra = {"safety_checker": PassThroughChecker()} if family.needs_safety_checker else {}
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(str(final), **extra)
     trained = load_file(str(final / "transformer" / "diffusion_pytorch_model.safetensors"))
     base_dir = resolve_model_dir(family.builtin)
     base = load_file(str(base_dir / "transformer" / "diffusion_pytorch_model.safetensors"))

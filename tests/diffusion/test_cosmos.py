@@ -22,7 +22,6 @@ from miles_diffusion.cosmos import (
     SIGMA_MIN,
     CosmosEncodings,
     CosmosFlowModel,
-    provide_padding_resize,
     velocity_times,
 )
 from miles_diffusion.deterministic import check_attention_backends
@@ -67,7 +66,6 @@ def model(proxy_dir: Path) -> CosmosFlowModel:
 def pipe(proxy_dir: Path) -> Any:
     from diffusers import Cosmos2TextToImagePipeline
 
-    provide_padding_resize()  # the transformer's padding-mask resize without torchvision
     return Cosmos2TextToImagePipeline.from_pretrained(
         str(proxy_dir), safety_checker=PassThroughChecker(), dtype=torch.float32
     )

@@ -49,3 +49,25 @@ TINY_QWEN_IMAGE = BuiltinModel(
     "with the real Qwen2.5 tokenizer); the qwen_image_flow_grpo_proxy recipe's model",
     "miles_diffusion.qwen_image:build_tiny_qwen_image",
 )
+
+TINY_LTX = BuiltinModel(
+    "tiny-ltx",
+    "diffusion",
+    "LTXPipeline",
+    "31.8K",
+    "random-init scaled-down LTX-Video text-to-video pipeline (diffusers LTXVideoTransformer3DModel, "
+    "2 layers; AutoencoderKLLTXVideo, 5 frames of 32x32 RGB to 8x3x4x4 latents; a 1-layer T5 encoder "
+    "with a character-level tokenizer); the ltx_flow_grpo_proxy recipe's model",
+    "miles_diffusion.ltx:build_tiny_ltx",
+)
+
+TINY_COSMOS = BuiltinModel(
+    "tiny-cosmos",
+    "diffusion",
+    "Cosmos2TextToImagePipeline",
+    "36.9K",
+    "random-init scaled-down Cosmos-Predict2 text-to-image pipeline (diffusers CosmosTransformer3DModel, "
+    "2 layers; AutoencoderKLWan, 32x32 RGB to 4x8x8 latents; a 1-layer T5 encoder with a character-level "
+    "tokenizer); the cosmos_flow_grpo_proxy recipe's model",
+    "miles_diffusion.cosmos:build_tiny_cosmos",
+)

@@ -140,34 +140,6 @@ def velocity_times(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas / (sigmas + 1.0)
 
 
-class _NearestResize:
-    """The one torchvision call diffusers' Cosmos transformer makes (``transforms.functional.resize``
-    of its padding mask, nearest-neighbour), on torch alone: see :func:`provide_padding_resize`."""
-
-    class InterpolationMode:
-        NEAREST = "nearest"
-
-    class functional:  # torchvision's name
-        @staticmethod
-        def resize(image: torch.Tensor, size: list[int], interpolation: str = "nearest") -> torch.Tensor:
-            if interpolation != "nearest":
-                raise ValueError(f"the padding-mask stand-in resizes nearest only, not {interpolation}")
-            return torch.nn.functional.interpolate(image, size=list(size), mode="nearest")
-
-
-def provide_padding_resize() -> None:
-    """Let diffusers' Cosmos transformer run without torchvision. It imports torchvision only to
-    resize its padding mask to the latent grid (``concat_padding_mask``); torchvision is not a
-    dependency of this workspace (only sglang's extra pulls it). Where it is missing, the
-    transformer module is given :class:`_NearestResize` under the name it reads: torchvision's
-    tensor resize with nearest interpolation is ``interpolate(mode="nearest")``, and the mask is all
-    zeros for text-to-image anyway. Idempotent; nothing is changed where torchvision is installed."""
-    from diffusers.models.transformers import transformer_cosmos
-
-    if not hasattr(transformer_cosmos, "transforms"):
-        cast(Any, transformer_cosmos).transforms = _NearestResize
-
-
 class CosmosFlowModel(PipelineFlowModel):
     """Cosmos-Predict2's transformer as a rectified-flow velocity model over image latents."""
 
@@ -330,7 +302,6 @@ def load_cosmos(
     index = read_model_index(root)
     _check_index(index, root)
     image = _read_image(root)
-    provide_padding_resize()
     scheduler: Any = FlowMatchEulerDiscreteScheduler.from_pretrained(str(root), subfolder="scheduler")
     # the pipeline sets these on its scheduler whatever the directory holds; so do we
     scheduler.register_to_config(sigma_max=SIGMA_MAX, sigma_min=SIGMA_MIN, sigma_data=SIGMA_DATA)

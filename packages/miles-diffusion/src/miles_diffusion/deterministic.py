@@ -20,7 +20,9 @@ from torch import nn
 # default backend is the same scaled_dot_product_attention (tests/diffusion/test_wan.py re-scores
 # its log-probabilities bit for bit); a backend chosen through diffusers' attention-backend setting
 # is not checked here. QwenDoubleStreamAttnProcessor2_0 (Qwen-Image's joint image-text attention)
-# calls the same dispatcher (tests/diffusion/test_qwen_image.py re-scores bit for bit).
+# calls the same dispatcher (tests/diffusion/test_qwen_image.py re-scores bit for bit), as does
+# LTXVideoAttnProcessor (LTX-Video's self- and cross-attention; tests/diffusion/test_ltx.py) and
+# CosmosAttnProcessor2_0 (Cosmos-Predict2's; tests/diffusion/test_cosmos.py).
 DETERMINISTIC_ATTENTION_PROCESSORS = frozenset(
     {
         "AttnProcessor",
@@ -28,6 +30,8 @@ DETERMINISTIC_ATTENTION_PROCESSORS = frozenset(
         "JointAttnProcessor2_0",
         "WanAttnProcessor",
         "QwenDoubleStreamAttnProcessor2_0",
+        "LTXVideoAttnProcessor",
+        "CosmosAttnProcessor2_0",
     }
 )
 

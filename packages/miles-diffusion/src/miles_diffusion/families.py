@@ -11,6 +11,10 @@ A family recognises its directories by their files (``detect``) and loads one in
   text-to-video, :mod:`miles_diffusion.wan`; the driver and the core path both serve it);
 - ``qwen-image``: a diffusers directory whose ``model_index.json`` names ``QwenImagePipeline``
   (Qwen-Image text-to-image, :mod:`miles_diffusion.qwen_image`; the driver and the core path).
+- ``cosmos``: a diffusers directory whose ``model_index.json`` names ``Cosmos2TextToImagePipeline``
+  (Cosmos-Predict2 text-to-image, :mod:`miles_diffusion.cosmos`; the driver and the core path);
+- ``ltx``: a diffusers directory whose ``model_index.json`` names ``LTXPipeline`` (LTX-Video
+  text-to-video, :mod:`miles_diffusion.ltx`; the driver and the core path).
 
 Any other directory, a diffusers pipeline of another class included, is refused with one error
 naming what is supported. ``register_family`` adds one (a plug-in registers at import).
@@ -105,6 +109,30 @@ def _detect_qwen_image(path: Path) -> bool:
     return is_qwen_image_directory(path)
 
 
+def _load_ltx(path: Path, precision: PrecisionConfig | None, prompts: tuple[str, ...]) -> DiffusionModel:
+    from miles_diffusion.ltx import load_ltx
+
+    return load_ltx(path, precision, prompts)
+
+
+def _detect_ltx(path: Path) -> bool:
+    from miles_diffusion.ltx import is_ltx_directory
+
+    return is_ltx_directory(path)
+
+
+def _load_cosmos(path: Path, precision: PrecisionConfig | None, prompts: tuple[str, ...]) -> DiffusionModel:
+    from miles_diffusion.cosmos import load_cosmos
+
+    return load_cosmos(path, precision, prompts)
+
+
+def _detect_cosmos(path: Path) -> bool:
+    from miles_diffusion.cosmos import is_cosmos_directory
+
+    return is_cosmos_directory(path)
+
+
 register_family(
     ModelFamily(
         "tiny-flow-unet",
@@ -142,6 +170,27 @@ register_family(
         _load_qwen_image,
         text_prompts=True,
         unconditional=False,  # Qwen-Image's norm-rescaled true CFG is not built (qwen_image.py)
+    )
+)
+register_family(
+    ModelFamily(
+        "ltx",
+        "a diffusers directory whose model_index.json names LTXPipeline",
+        _detect_ltx,
+        _load_ltx,
+        text_prompts=True,
+        unconditional=True,  # LTXPipeline's CFG with the empty negative prompt (ltx.py)
+    )
+)
+
+register_family(
+    ModelFamily(
+        "cosmos",
+        "a diffusers directory whose model_index.json names Cosmos2TextToImagePipeline",
+        _detect_cosmos,
+        _load_cosmos,
+        text_prompts=True,
+        unconditional=True,  # the pipeline's CFG on x_0 is the shared one at w + 1 (cosmos.py)
     )
 )
 
@@ -221,7 +270,7 @@ def load_for_engine(
     return family, family.load(Path(directory).expanduser(), precision, ())
 
 
-CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3", "wan", "qwen-image"})
+CORE_PATH_FAMILIES = frozenset({"tiny-flow-unet", "sd3", "wan", "qwen-image", "ltx", "cosmos"})
 """The families the core path (``miles run``: the diffusion engine and backend) serves so far."""
 
 _BUILTIN_ARCHITECTURES = {
@@ -229,6 +278,8 @@ _BUILTIN_ARCHITECTURES = {
     "StableDiffusion3Pipeline": "sd3",
     "WanPipeline": "wan",
     "QwenImagePipeline": "qwen-image",
+    "LTXPipeline": "ltx",
+    "Cosmos2TextToImagePipeline": "cosmos",
 }
 """The family of a built-in diffusion model, by its declared architecture (judged without building it)."""
 
