@@ -14,11 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from miles_diffusion.deterministic import check_attention_backends
 from miles_diffusion.families import check_family_guidance, family_for, load_model
-from miles_diffusion.flow_grpo import FlowGRPOConfig
 from miles_diffusion.guidance import GuidanceError
-from miles_diffusion.objectives import TrainerConfig
 from miles_diffusion.qwen_image import (
     PROMPT_TEMPLATE,
     TEMPLATE_PREFIX_TOKENS,
@@ -27,9 +24,14 @@ from miles_diffusion.qwen_image import (
     pack_latents,
     unpack_latents,
 )
-from miles_diffusion.sampler import SamplerConfig, sample, sample_seeded, step_log_prob
-from miles_diffusion.train import main, resolve_model_dir
-from miles_diffusion.trainer import FlowGRPOTrainer
+from miles_diffusion.train import resolve_model_dir
+
+from ._family_checks import (
+    check_a_prompts_velocity_ignores_its_batch,
+    check_log_probs_equal_the_trainers_rescoring,
+    check_one_driver_iteration_of_each_recipe,
+    check_only_the_transformer_trains,
+)
 
 PROMPTS = ("a red cube on a table", "two cats", "Ünïcode, punctuation & CAPS! 日本語")
 
@@ -147,45 +149,12 @@ def test_schedule_and_the_ode_path_are_the_pipelines(model: QwenImageFlowModel, 
 
 
 def test_sampler_log_probs_equal_the_trainers_rescoring(model: QwenImageFlowModel) -> None:
-    prompts = torch.tensor([2, 0, 2, 1])
-    distinct, inverse = torch.unique(prompts, return_inverse=True)
-    encoded = model.encode_prompts(distinct)[inverse]
-    config = SamplerConfig(num_steps=4, noise_level=0.7)
-    engine = sample_seeded(model, prompts, [11, 12, 13, 14], config, encoded=encoded)
-    driver = sample(model, prompts, config, torch.Generator().manual_seed(0))
-    for trajectory in (engine, driver):
-        assert trajectory.latents.shape == (4, 5, 4, 8, 8)
-        for step in range(config.num_steps):
-            with torch.no_grad():
-                rescored, _, _ = step_log_prob(model, trajectory, step, config.noise_level)
-            assert torch.equal(rescored, trajectory.log_probs[:, step]), step
-    # a prompt's velocity does not depend on its batch (fixed text length): one row alone equals it
-    x, t = engine.latents[:, 1], torch.full((4,), 0.5)
-    with torch.no_grad():
-        together = model(x, t, prompts)
-        alone = model(x[1:2], t[1:2], prompts[1:2])
-    torch.testing.assert_close(alone, together[1:2], rtol=0, atol=1e-6)
-    check_attention_backends(model)
+    engine = check_log_probs_equal_the_trainers_rescoring(model, (4, 5, 4, 8, 8))
+    check_a_prompts_velocity_ignores_its_batch(model, engine)
 
 
 def test_only_the_transformer_trains(proxy_dir: Path) -> None:
-    model = load_model(proxy_dir, prompts=PROMPTS)
-    assert isinstance(model, QwenImageFlowModel)
-    assert set(model.frozen_modules()) == {"vae", "text_encoder"}
-    assert all(name.startswith("transformer.") for name in model.state_dict())
-    frozen_params = [p for m in model.frozen_modules().values() for p in m.parameters()]
-    assert frozen_params and not any(p.requires_grad for p in frozen_params)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = FlowGRPOTrainer(model, FlowGRPOConfig(clip_range=0.05), TrainerConfig(lr=1e-2), 0.7)
-    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert trained == {id(p) for p in model.transformer.parameters()}
-    trajectory = sample(
-        model, torch.tensor([0, 0, 1, 1]), SamplerConfig(num_steps=3), torch.Generator().manual_seed(1)
-    )
-    stats = trainer.train_step(trajectory, torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 2])
-    assert stats["grad_norm"] > 0 and all(p.grad is None for p in frozen_params)
-    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
-    assert len(changed) > len(before) // 2
+    check_only_the_transformer_trains(proxy_dir, PROMPTS, QwenImageFlowModel)
 
 
 def test_one_driver_iteration_of_each_recipe_prints_its_level(
@@ -193,19 +162,4 @@ def test_one_driver_iteration_of_each_recipe_prints_its_level(
 ) -> None:
     """The proxy recipe, and the real one (BF16 with FP32 modules named on Qwen-Image's
     transformer) pointed at the proxy's directory, one iteration each through the driver."""
-    main(["qwen_image_flow_grpo_proxy", "--iterations", "1", "--out", str(tmp_path / "proxy")])
-    assert "recipe qwen_image_flow_grpo_proxy: evidence level proxy gated" in capsys.readouterr().out
-    main(
-        [
-            "qwen_image_flow_grpo",
-            "--model",
-            str(proxy_dir),
-            "--iterations",
-            "1",
-            "--out",
-            str(tmp_path / "real"),
-        ]
-    )
-    assert "recipe qwen_image_flow_grpo: evidence level not verified" in capsys.readouterr().out
-    (line,) = (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()
-    assert {"reward/mean", "train/loss", "eval/reward_before", "eval/reward_after"} <= set(json.loads(line))
+    check_one_driver_iteration_of_each_recipe("qwen_image", proxy_dir, tmp_path, capsys)

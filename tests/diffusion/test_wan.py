@@ -15,12 +15,14 @@ import torch
 
 from miles_diffusion.deterministic import check_attention_backends
 from miles_diffusion.families import family_for, load_model
-from miles_diffusion.flow_grpo import FlowGRPOConfig
-from miles_diffusion.objectives import TrainerConfig
-from miles_diffusion.sampler import SamplerConfig, sample, sample_seeded, step_log_prob
-from miles_diffusion.train import main, resolve_model_dir
-from miles_diffusion.trainer import FlowGRPOTrainer
+from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wan import WAN_MAX_LENGTH, WanEncodings, WanFlowModel, clean_prompt
+
+from ._family_checks import (
+    check_log_probs_equal_the_trainers_rescoring,
+    check_one_driver_iteration_of_each_recipe,
+    check_only_the_transformer_trains,
+)
 
 PROMPTS = ("a red balloon over a city", "waves  at\tsunset &amp; dusk", "Ünïcode, punctuation & CAPS!")
 
@@ -83,18 +85,7 @@ def test_conditioning_and_schedule_are_wans(model: WanFlowModel, proxy_dir: Path
 
 
 def test_sampler_log_probs_equal_the_trainers_rescoring(model: WanFlowModel) -> None:
-    prompts = torch.tensor([2, 0, 2, 1])
-    distinct, inverse = torch.unique(prompts, return_inverse=True)
-    encoded = model.encode_prompts(distinct)[inverse]
-    config = SamplerConfig(num_steps=4, noise_level=0.7)
-    engine = sample_seeded(model, prompts, [11, 12, 13, 14], config, encoded=encoded)
-    driver = sample(model, prompts, config, torch.Generator().manual_seed(0))
-    for trajectory in (engine, driver):
-        assert trajectory.latents.shape == (4, 5, 4, 3, 4, 4)
-        for step in range(config.num_steps):
-            with torch.no_grad():
-                rescored, _, _ = step_log_prob(model, trajectory, step, config.noise_level)
-            assert torch.equal(rescored, trajectory.log_probs[:, step]), step
+    engine = check_log_probs_equal_the_trainers_rescoring(model, (4, 5, 4, 3, 4, 4))
     videos = model.to_videos(engine.latents[:, -1])
     assert videos.shape == (4, 3, 5, 16, 16)
     images = model.to_images(engine.latents[:, -1])  # each video's frames side by side
@@ -103,37 +94,8 @@ def test_sampler_log_probs_equal_the_trainers_rescoring(model: WanFlowModel) -> 
     check_attention_backends(model)
 
 
-def _frozen_state(model: WanFlowModel) -> dict[str, torch.Tensor]:
-    return {
-        f"{part}.{name}": t.detach().clone()
-        for part, module in model.frozen_modules().items()
-        for name, t in module.state_dict().items()
-    }
-
-
 def test_only_the_transformer_trains(proxy_dir: Path) -> None:
-    model = load_model(proxy_dir, prompts=PROMPTS)
-    assert isinstance(model, WanFlowModel)
-    assert set(model.frozen_modules()) == {"vae", "text_encoder"}
-    assert all(name.startswith("transformer.") for name in model.state_dict())
-    frozen_params = [p for m in model.frozen_modules().values() for p in m.parameters()]
-    assert frozen_params and not any(p.requires_grad for p in frozen_params)
-    frozen_before = _frozen_state(model)
-    transformer_before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = FlowGRPOTrainer(model, FlowGRPOConfig(clip_range=0.05), TrainerConfig(lr=1e-2), 0.7)
-    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert trained == {id(p) for p in model.transformer.parameters()}
-    trajectory = sample(
-        model, torch.tensor([0, 0, 1, 1]), SamplerConfig(num_steps=3), torch.Generator().manual_seed(1)
-    )
-    stats = trainer.train_step(trajectory, torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 2])
-    assert stats["grad_norm"] > 0
-    assert all(p.grad is None for p in frozen_params)
-    frozen_after = _frozen_state(model)
-    assert all(torch.equal(frozen_after[k], frozen_before[k]) for k in frozen_before)
-    assert all(not m.training for m in model.frozen_modules().values())
-    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, transformer_before[k])]
-    assert len(changed) > len(transformer_before) // 2
+    check_only_the_transformer_trains(proxy_dir, PROMPTS, WanFlowModel)
 
 
 def test_one_driver_iteration_of_each_recipe_prints_its_level(
@@ -141,12 +103,7 @@ def test_one_driver_iteration_of_each_recipe_prints_its_level(
 ) -> None:
     """The proxy recipe, and the real one (its BF16 precision with FP32 modules named on Wan's
     transformer) pointed at the proxy's directory, one iteration each through the driver."""
-    main(["wan_flow_grpo_proxy", "--iterations", "1", "--out", str(tmp_path / "proxy")])
-    assert "recipe wan_flow_grpo_proxy: evidence level proxy gated" in capsys.readouterr().out
-    main(["wan_flow_grpo", "--model", str(proxy_dir), "--iterations", "1", "--out", str(tmp_path / "real")])
-    assert "recipe wan_flow_grpo: evidence level not verified" in capsys.readouterr().out
-    (line,) = (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()
-    assert {"reward/mean", "train/loss", "eval/reward_before", "eval/reward_after"} <= set(json.loads(line))
+    check_one_driver_iteration_of_each_recipe("wan", proxy_dir, tmp_path, capsys)
 
 
 def test_the_core_path_accepts_wan(proxy_dir: Path) -> None:

@@ -51,7 +51,6 @@ ignores it), as ``builtin:tiny-cosmos`` does (:func:`build_tiny_cosmos`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -60,10 +59,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from miles_diffusion.denoiser import Conditioning
 from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_parts import (
+    TensorFields,
+    TextFrozenParts,
+    check_components,
+    is_pipeline_directory,
+    load_scheduler,
+    load_text_parts,
+    read_model_index,
+    read_sizes,
+    save_parts,
+    tiny_t5_settings,
+    write_json,
+    write_model_index,
+)
 from miles_diffusion.precision import PrecisionConfig
-from miles_diffusion.sd3 import read_model_index, write_char_t5_tokenizer
+from miles_diffusion.sd3 import write_char_t5_tokenizer
 
 PIPELINE_CLASSES = ("Cosmos2TextToImagePipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -106,33 +118,11 @@ _REFUSED_TRANSFORMER_SWITCHES = {
 
 
 @dataclass(frozen=True)
-class CosmosEncodings:
+class CosmosEncodings(TensorFields):
     """Cosmos's conditioning: ``sequence`` [B, L, D], zeros past each prompt's tokens (``L`` the
     model's ``max_sequence_length``; the transformer reads all ``L`` positions)."""
 
     sequence: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.sequence.shape[0])
-
-    def __getitem__(self, index: torch.Tensor | slice) -> CosmosEncodings:
-        return CosmosEncodings(self.sequence[index])
-
-    @staticmethod
-    def cat(parts: list[CosmosEncodings]) -> CosmosEncodings:
-        return CosmosEncodings(torch.cat([p.sequence for p in parts]))
-
-
-@dataclass
-class _Frozen:
-    """The parts that never train (kept off the module tree, as the other families' are)."""
-
-    vae: nn.Module
-    tokenizer: Any
-    text_encoder: nn.Module
-
-    def modules(self) -> dict[str, nn.Module]:
-        return {"vae": self.vae, "text_encoder": self.text_encoder}
 
 
 def velocity_times(sigmas: torch.Tensor) -> torch.Tensor:
@@ -144,12 +134,14 @@ class CosmosFlowModel(PipelineFlowModel):
     """Cosmos-Predict2's transformer as a rectified-flow velocity model over image latents."""
 
     encodings_type = CosmosEncodings
-    _frozen: _Frozen
+    unconditional_text = DEFAULT_NEGATIVE_PROMPT
+    """Cosmos guides against its default negative prompt, not the empty text."""
+    _frozen: TextFrozenParts
 
     def __init__(
         self,
         transformer: nn.Module,
-        frozen: _Frozen,
+        frozen: TextFrozenParts,
         prompts: tuple[str, ...],
         *,
         scheduler: Any,
@@ -181,17 +173,6 @@ class CosmosFlowModel(PipelineFlowModel):
                 f"cosmos family needs {num_steps + 1} ending at 0"
             )
         return velocity_times(sigmas).clone()
-
-    def with_unconditional(self, prompts: Conditioning) -> Any:
-        """[the negative prompt's rows; the prompts' rows]: Cosmos guides against its default
-        negative prompt, not the empty text."""
-        if isinstance(prompts, CosmosEncodings):
-            enc = prompts
-        else:
-            assert isinstance(prompts, torch.Tensor)
-            enc = self.encode_prompts(prompts)
-        null = self.encode_texts([DEFAULT_NEGATIVE_PROMPT] * len(enc))
-        return CosmosEncodings.cat([null, enc])
 
     @torch.no_grad()
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
@@ -243,33 +224,7 @@ class CosmosFlowModel(PipelineFlowModel):
 
 
 def is_cosmos_directory(directory: Path) -> bool:
-    if not (directory / "model_index.json").is_file():
-        return False
-    return read_model_index(directory).get("_class_name") in PIPELINE_CLASSES
-
-
-def _check_index(index: dict[str, Any], directory: Path) -> None:
-    for name, (library, classes) in _COMPONENTS.items():
-        entry = index.get(name)
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[1] in classes):
-            raise ValueError(
-                f"{directory}: model_index.json names {entry!r} for {name!r}; the cosmos family loads "
-                f"{' or '.join(classes)} ({library})"
-            )
-
-
-def _read_image(directory: Path) -> dict[str, int]:
-    path = directory / IMAGE_FILE
-    if not path.is_file():
-        return dict(DEFAULT_IMAGE)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        image = {key: int(data.get(key, default)) for key, default in DEFAULT_IMAGE.items()}
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        raise ValueError(f"{path}: needs integer height, width, max_sequence_length ({exc})") from None
-    if min(image.values()) <= 0:
-        raise ValueError(f"{path}: height, width and max_sequence_length must be positive")
-    return image
+    return is_pipeline_directory(directory, PIPELINE_CLASSES)
 
 
 def _check_parts(root: Path, transformer: Any, vae: Any, scheduler: Any, image: dict[str, int]) -> None:
@@ -295,27 +250,21 @@ def load_cosmos(
     directory: str | Path, precision: PrecisionConfig | None = None, prompts: tuple[str, ...] = ()
 ) -> CosmosFlowModel:
     """Load a Cosmos-Predict2 text-to-image diffusers directory in FP32 (master weights), in eval mode."""
-    from diffusers import AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
-    from transformers import AutoTokenizer, T5EncoderModel
+    from diffusers import AutoencoderKLWan, CosmosTransformer3DModel
+    from transformers import T5EncoderModel
 
     root = Path(directory)
     index = read_model_index(root)
-    _check_index(index, root)
-    image = _read_image(root)
-    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_pretrained(str(root), subfolder="scheduler")
+    check_components(index, root, _COMPONENTS, "cosmos")
+    image = read_sizes(root / IMAGE_FILE, DEFAULT_IMAGE)
+    scheduler = load_scheduler(root, index)
     # the pipeline sets these on its scheduler whatever the directory holds; so do we
     scheduler.register_to_config(sigma_max=SIGMA_MAX, sigma_min=SIGMA_MIN, sigma_data=SIGMA_DATA)
-    with torch.random.fork_rng(devices=[]):  # loading must not move the caller's RNG
-        transformer: Any = CosmosTransformer3DModel.from_pretrained(
-            str(root), subfolder="transformer", dtype=torch.float32
-        )
-        vae: Any = AutoencoderKLWan.from_pretrained(str(root), subfolder="vae", dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        encoder = T5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=torch.float32)
-    _check_parts(root, transformer, vae, scheduler, image)
+    transformer, frozen = load_text_parts(root, CosmosTransformer3DModel, AutoencoderKLWan, T5EncoderModel)
+    _check_parts(root, transformer, frozen.vae, scheduler, image)
     model = CosmosFlowModel(
         cast(nn.Module, transformer),
-        _Frozen(cast(nn.Module, vae), tokenizer, cast(nn.Module, encoder)),
+        frozen,
         tuple(prompts),
         scheduler=scheduler,
         image=image,
@@ -351,7 +300,6 @@ def build_tiny_cosmos(dest: Path, seed: int, config: TinyCosmosConfig | None = N
     """Builder of the built-in ``tiny-cosmos``: the proxy as a diffusers ``Cosmos2TextToImagePipeline``
     directory, random weights from ``seed`` (the caller's RNG is left as it was). Its index names no
     safety checker: diffusers needs one passed to build the pipeline (see the module docstring)."""
-    import diffusers
     from diffusers import AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
     from transformers import T5Config, T5EncoderModel
 
@@ -385,36 +333,17 @@ def build_tiny_cosmos(dest: Path, seed: int, config: TinyCosmosConfig | None = N
             concat_padding_mask=True,
             extra_pos_embed_type=None,
         )
-        encoder = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer),
-                d_model=c.text_dim,
-                d_kv=8,
-                d_ff=2 * c.text_dim,
-                num_layers=c.text_layers,
-                num_heads=2,
-                pad_token_id=int(tokenizer.pad_token_id),
-                eos_token_id=int(tokenizer.eos_token_id),
-            )
-        )
-    cast(Any, transformer).save_pretrained(str(dest / "transformer"))
-    cast(Any, vae).save_pretrained(str(dest / "vae"))
-    encoder.save_pretrained(str(dest / "text_encoder"))
-    scheduler: Any = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=1.0, use_karras_sigmas=True
-    )
-    scheduler.save_pretrained(str(dest / "scheduler"))
+        encoder = T5EncoderModel(T5Config(**tiny_t5_settings(tokenizer, c.text_dim, c.text_layers)))
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_karras_sigmas=True)
+    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
     index = {
-        "_class_name": PIPELINE_CLASSES[0],
-        "_diffusers_version": diffusers.__version__,
         "transformer": ["diffusers", "CosmosTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "T5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
     }
-    (dest / "model_index.json").write_text(
-        json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    write_model_index(dest, PIPELINE_CLASSES[0], index)
+    write_json(
+        dest / IMAGE_FILE, {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
     )
-    image = {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
-    (dest / IMAGE_FILE).write_text(json.dumps(image, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -52,19 +52,32 @@ tokenizer, a 1-layer T5 encoder): ``builtin:tiny-ltx``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import nn
 
 from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_parts import (
+    TensorFields,
+    TextFrozenParts,
+    check_components,
+    filmstrip,
+    is_pipeline_directory,
+    load_scheduler,
+    load_text_parts,
+    read_model_index,
+    read_sizes,
+    save_parts,
+    tiny_t5_settings,
+    write_json,
+    write_model_index,
+)
 from miles_diffusion.precision import PrecisionConfig
-from miles_diffusion.qwen_image import dynamic_shift_mu
-from miles_diffusion.sd3 import read_model_index, write_char_t5_tokenizer
+from miles_diffusion.qwen_image import shifted_schedule
+from miles_diffusion.sd3 import write_char_t5_tokenizer
 
 PIPELINE_CLASSES = ("LTXPipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -85,34 +98,12 @@ _COMPONENTS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 @dataclass(frozen=True)
-class LTXEncodings:
+class LTXEncodings(TensorFields):
     """LTX's conditioning: ``sequence`` [B, L, D] (T5's last hidden states over the padded tokens) and
     ``mask`` [B, L] (1 for the prompt's own tokens), ``L`` the model's ``max_sequence_length``."""
 
     sequence: torch.Tensor
     mask: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.sequence.shape[0])
-
-    def __getitem__(self, index: torch.Tensor | slice) -> LTXEncodings:
-        return LTXEncodings(self.sequence[index], self.mask[index])
-
-    @staticmethod
-    def cat(parts: list[LTXEncodings]) -> LTXEncodings:
-        return LTXEncodings(torch.cat([p.sequence for p in parts]), torch.cat([p.mask for p in parts]))
-
-
-@dataclass
-class _Frozen:
-    """The parts that never train (kept off the module tree, as the other families' are)."""
-
-    vae: nn.Module
-    tokenizer: Any
-    text_encoder: nn.Module
-
-    def modules(self) -> dict[str, nn.Module]:
-        return {"vae": self.vae, "text_encoder": self.text_encoder}
 
 
 def to_tokens(latents: torch.Tensor) -> torch.Tensor:
@@ -130,12 +121,12 @@ class LTXFlowModel(PipelineFlowModel):
     """LTX-Video's transformer as a rectified-flow velocity model over video latents."""
 
     encodings_type = LTXEncodings
-    _frozen: _Frozen
+    _frozen: TextFrozenParts
 
     def __init__(
         self,
         transformer: nn.Module,
-        frozen: _Frozen,
+        frozen: TextFrozenParts,
         prompts: tuple[str, ...],
         *,
         scheduler: Any,
@@ -165,16 +156,7 @@ class LTXFlowModel(PipelineFlowModel):
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         _, f, h, w = self.latent_shape
-        mu = dynamic_shift_mu(f * h * w, self.scheduler.config)
-        sigmas = np.linspace(1.0, 1.0 / num_steps, num_steps)
-        self.scheduler.set_timesteps(sigmas=sigmas, mu=mu, device="cpu")  # mu is read only if dynamic
-        out = torch.as_tensor(self.scheduler.sigmas)
-        if out.shape != (num_steps + 1,) or float(out[-1]) != 0.0:
-            raise ValueError(
-                f"the scheduler gives sigmas of shape {tuple(out.shape)} ending at {float(out[-1])} "
-                f"for {num_steps} steps; the ltx family needs {num_steps + 1} ending at 0"
-            )
-        return out.to(torch.float32).clone()
+        return shifted_schedule(self.scheduler, num_steps, f * h * w, "ltx")
 
     @torch.no_grad()
     def to_videos(self, latents: torch.Tensor) -> torch.Tensor:
@@ -194,9 +176,7 @@ class LTXFlowModel(PipelineFlowModel):
     @torch.no_grad()
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """Each video's frames side by side: one filmstrip image [B, 3, H, frames * W] per video."""
-        video = self.to_videos(latents)
-        b, c, f, h, w = video.shape
-        return video.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w).contiguous()
+        return filmstrip(self.to_videos(latents))
 
     # ------------------------------------------------------------------ internals
 
@@ -239,33 +219,7 @@ class LTXFlowModel(PipelineFlowModel):
 
 
 def is_ltx_directory(directory: Path) -> bool:
-    if not (directory / "model_index.json").is_file():
-        return False
-    return read_model_index(directory).get("_class_name") in PIPELINE_CLASSES
-
-
-def _check_index(index: dict[str, Any], directory: Path) -> None:
-    for name, (library, classes) in _COMPONENTS.items():
-        entry = index.get(name)
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[1] in classes):
-            raise ValueError(
-                f"{directory}: model_index.json names {entry!r} for {name!r}; the ltx family loads "
-                f"{' or '.join(classes)} ({library})"
-            )
-
-
-def _read_video(directory: Path) -> dict[str, int]:
-    path = directory / VIDEO_FILE
-    if not path.is_file():
-        return dict(DEFAULT_VIDEO)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        video = {key: int(data.get(key, default)) for key, default in DEFAULT_VIDEO.items()}
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        raise ValueError(f"{path}: needs integer {', '.join(DEFAULT_VIDEO)} ({exc})") from None
-    if min(video.values()) <= 0:
-        raise ValueError(f"{path}: {', '.join(DEFAULT_VIDEO)} must be positive")
-    return video
+    return is_pipeline_directory(directory, PIPELINE_CLASSES)
 
 
 def _check_parts(root: Path, transformer: Any, vae: Any, video: dict[str, int]) -> None:
@@ -297,25 +251,21 @@ def load_ltx(
     directory: str | Path, precision: PrecisionConfig | None = None, prompts: tuple[str, ...] = ()
 ) -> LTXFlowModel:
     """Load an LTX-Video diffusers directory in FP32 (master weights), in eval mode."""
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
-    from transformers import AutoTokenizer, T5EncoderModel
+    from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+    from transformers import T5EncoderModel
 
     root = Path(directory)
     index = read_model_index(root)
-    _check_index(index, root)
-    video = _read_video(root)
-    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_pretrained(str(root), subfolder="scheduler")
-    with torch.random.fork_rng(devices=[]):  # loading must not move the caller's RNG
-        transformer: Any = LTXVideoTransformer3DModel.from_pretrained(
-            str(root), subfolder="transformer", dtype=torch.float32
-        )
-        vae: Any = AutoencoderKLLTXVideo.from_pretrained(str(root), subfolder="vae", dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        encoder = T5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=torch.float32)
-    _check_parts(root, transformer, vae, video)
+    check_components(index, root, _COMPONENTS, "ltx")
+    video = read_sizes(root / VIDEO_FILE, DEFAULT_VIDEO)
+    scheduler = load_scheduler(root, index)
+    transformer, frozen = load_text_parts(
+        root, LTXVideoTransformer3DModel, AutoencoderKLLTXVideo, T5EncoderModel
+    )
+    _check_parts(root, transformer, frozen.vae, video)
     model = LTXFlowModel(
         cast(nn.Module, transformer),
-        _Frozen(cast(nn.Module, vae), tokenizer, cast(nn.Module, encoder)),
+        frozen,
         tuple(prompts),
         scheduler=scheduler,
         video=video,
@@ -365,7 +315,6 @@ class TinyLTXConfig:
 def build_tiny_ltx(dest: Path, seed: int, config: TinyLTXConfig | None = None) -> None:
     """Builder of the built-in ``tiny-ltx``: the proxy as a diffusers ``LTXPipeline`` directory,
     random weights from ``seed`` (the caller's RNG is left as it was)."""
-    import diffusers
     from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
     from transformers import T5Config, T5EncoderModel
 
@@ -406,35 +355,18 @@ def build_tiny_ltx(dest: Path, seed: int, config: TinyLTXConfig | None = None) -
             caption_channels=c.text_dim,
         )
         encoder = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer),
-                d_model=c.text_dim,
-                d_kv=8,
-                d_ff=2 * c.text_dim,
-                num_layers=c.text_layers,
-                num_heads=2,
-                feed_forward_proj="gated-gelu",
-                pad_token_id=int(tokenizer.pad_token_id),
-                eos_token_id=int(tokenizer.eos_token_id),
-            )
+            T5Config(**tiny_t5_settings(tokenizer, c.text_dim, c.text_layers), feed_forward_proj="gated-gelu")
         )
-    cast(Any, transformer).save_pretrained(str(dest / "transformer"))
-    cast(Any, vae).save_pretrained(str(dest / "vae"))
-    encoder.save_pretrained(str(dest / "text_encoder"))
-    scheduler: Any = FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER)
-    scheduler.save_pretrained(str(dest / "scheduler"))
+    scheduler = FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER)
+    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
     index = {
-        "_class_name": PIPELINE_CLASSES[0],
-        "_diffusers_version": diffusers.__version__,
         "transformer": ["diffusers", "LTXVideoTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLLTXVideo"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "T5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
     }
-    (dest / "model_index.json").write_text(
-        json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-    )
+    write_model_index(dest, PIPELINE_CLASSES[0], index)
     video = {
         "num_frames": c.num_frames,
         "height": c.size,
@@ -442,4 +374,4 @@ def build_tiny_ltx(dest: Path, seed: int, config: TinyLTXConfig | None = None) -
         "frame_rate": c.frame_rate,
         "max_sequence_length": c.max_sequence_length,
     }
-    (dest / VIDEO_FILE).write_text(json.dumps(video, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_json(dest / VIDEO_FILE, video)

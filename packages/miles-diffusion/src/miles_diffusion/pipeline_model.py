@@ -1,4 +1,4 @@
-"""What the diffusers-pipeline families (SD3, Wan) share: a trainable ``transformer`` prompted by
+"""What the diffusers-pipeline families (SD3, Wan, Qwen-Image, LTX-Video, Cosmos) share: a trainable ``transformer`` prompted by
 text, frozen text encoders and VAE kept off the module tree, each prompt encoded alone once and
 kept, and a forward under the recipe's precision. A family gives its encodings type, how one text
 is encoded (``_encode_text``) and how its transformer is called (``_denoise``)."""
@@ -35,7 +35,8 @@ class PipelineFlowModel(DiffusionModel):
     frozen parts are the base directory's), and exports a whole pipeline directory."""
 
     encodings_type: ClassVar[Any]
-    """The family's encodings: a frozen dataclass with ``__len__``, ``__getitem__`` and ``cat``."""
+    """The family's encodings: a frozen dataclass with ``__len__``, ``__getitem__`` and ``cat`` (a
+    :class:`~miles_diffusion.pipeline_parts.TensorFields`)."""
 
     def __init__(
         self,
@@ -95,24 +96,27 @@ class PipelineFlowModel(DiffusionModel):
     """The unconditional branch is the empty prompt through the family's own text encoders (the
     negative prompt diffusers' SD3 and Wan pipelines guide with by default)."""
 
+    unconditional_text: ClassVar[str] = UNCONDITIONAL_TEXT
+    """The text whose encoding is the unconditional branch (a family may guide against another)."""
+
     def with_unconditional(self, prompts: Conditioning) -> Any:
-        if isinstance(prompts, self.encodings_type):
-            enc = prompts
-        else:
-            assert isinstance(prompts, torch.Tensor)
-            enc = self.encode_prompts(prompts)
-        # encode_texts keeps the empty prompt's encoding after its first use, as every text's
-        null = self.encode_texts([UNCONDITIONAL_TEXT] * len(enc))
+        """[the unconditional text's rows; the prompts' rows]."""
+        enc = self._as_encodings(prompts)
+        # encode_texts keeps the unconditional text's encoding after its first use, as every text's
+        null = self.encode_texts([self.unconditional_text] * len(enc))
         return self.encodings_type.cat([null, enc])
+
+    def _as_encodings(self, prompts: Conditioning) -> Any:
+        """``prompts`` as the family's encodings: encoded if they are ids."""
+        if isinstance(prompts, self.encodings_type):
+            return prompts
+        assert isinstance(prompts, torch.Tensor)
+        return self.encode_prompts(prompts)
 
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, prompts: Conditioning) -> torch.Tensor:
         """``x_t``: latents [B, ...]; ``t``: [B] in [0, 1]; ``prompts``: ids [B] or the family's
         encodings. Returns the velocity, shaped as ``x_t`` (FP32)."""
-        if isinstance(prompts, self.encodings_type):
-            enc = prompts
-        else:
-            assert isinstance(prompts, torch.Tensor)
-            enc = self.encode_prompts(prompts)
+        enc = self._as_encodings(prompts)
         if len(enc) != x_t.shape[0]:
             raise ValueError(f"{len(enc)} prompt encodings for {x_t.shape[0]} latents")
         timestep = t * float(self.num_train_timesteps)

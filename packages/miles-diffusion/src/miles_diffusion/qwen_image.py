@@ -42,7 +42,6 @@ pipeline's maximum) unless the directory holds ``miles_image.json`` (``{"height"
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -52,8 +51,17 @@ import torch
 from torch import nn
 
 from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_parts import (
+    TensorFields,
+    TextFrozenParts,
+    check_components,
+    is_pipeline_directory,
+    load_scheduler,
+    load_text_parts,
+    read_model_index,
+    read_sizes,
+)
 from miles_diffusion.precision import PrecisionConfig
-from miles_diffusion.sd3 import read_model_index
 
 PIPELINE_CLASSES = ("QwenImagePipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -95,34 +103,12 @@ _REFUSED_TRANSFORMER_SWITCHES = {
 
 
 @dataclass(frozen=True)
-class QwenImageEncodings:
+class QwenImageEncodings(TensorFields):
     """Qwen-Image's conditioning: ``sequence`` [B, L, D] (zeros past each prompt) and ``mask`` [B, L]
     (1 for the prompt's own tokens), ``L`` the model's ``max_sequence_length``."""
 
     sequence: torch.Tensor
     mask: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.sequence.shape[0])
-
-    def __getitem__(self, index: torch.Tensor | slice) -> QwenImageEncodings:
-        return QwenImageEncodings(self.sequence[index], self.mask[index])
-
-    @staticmethod
-    def cat(parts: list[QwenImageEncodings]) -> QwenImageEncodings:
-        return QwenImageEncodings(torch.cat([p.sequence for p in parts]), torch.cat([p.mask for p in parts]))
-
-
-@dataclass
-class _Frozen:
-    """The parts that never train (kept off the module tree, as SD3's and Wan's are)."""
-
-    vae: nn.Module
-    tokenizer: Any
-    text_encoder: nn.Module
-
-    def modules(self) -> dict[str, nn.Module]:
-        return {"vae": self.vae, "text_encoder": self.text_encoder}
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -152,11 +138,26 @@ def dynamic_shift_mu(image_tokens: int, config: Any) -> float:
     return image_tokens * slope + (base_shift - slope * base_len)
 
 
+def shifted_schedule(scheduler: Any, num_steps: int, image_tokens: int, family: str) -> torch.Tensor:
+    """The pipeline's schedule (Qwen-Image's and LTX-Video's alike): sigmas ``linspace(1, 1/N, N)``
+    given to the scheduler, shifted by ``mu`` from the token count if it shifts dynamically."""
+    mu = dynamic_shift_mu(image_tokens, scheduler.config)
+    sigmas = np.linspace(1.0, 1.0 / num_steps, num_steps)
+    scheduler.set_timesteps(sigmas=sigmas, mu=mu, device="cpu")  # mu is read only if dynamic
+    out = torch.as_tensor(scheduler.sigmas)
+    if out.shape != (num_steps + 1,) or float(out[-1]) != 0.0:
+        raise ValueError(
+            f"the scheduler gives sigmas of shape {tuple(out.shape)} ending at {float(out[-1])} "
+            f"for {num_steps} steps; the {family} family needs {num_steps + 1} ending at 0"
+        )
+    return out.to(torch.float32).clone()
+
+
 class QwenImageFlowModel(PipelineFlowModel):
     """Qwen-Image's transformer as a rectified-flow velocity model over image latents."""
 
     encodings_type = QwenImageEncodings
-    _frozen: _Frozen
+    _frozen: TextFrozenParts
 
     has_unconditional = False
     """Guidance is refused: Qwen-Image's pipeline guides with a negative prompt and rescales the
@@ -166,7 +167,7 @@ class QwenImageFlowModel(PipelineFlowModel):
     def __init__(
         self,
         transformer: nn.Module,
-        frozen: _Frozen,
+        frozen: TextFrozenParts,
         prompts: tuple[str, ...],
         *,
         scheduler: Any,
@@ -190,16 +191,7 @@ class QwenImageFlowModel(PipelineFlowModel):
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         _, h, w = self.latent_shape
-        mu = dynamic_shift_mu((h // 2) * (w // 2), self.scheduler.config)
-        sigmas = np.linspace(1.0, 1.0 / num_steps, num_steps)
-        self.scheduler.set_timesteps(sigmas=sigmas, mu=mu, device="cpu")  # mu is read only if dynamic
-        out = torch.as_tensor(self.scheduler.sigmas)
-        if out.shape != (num_steps + 1,) or float(out[-1]) != 0.0:
-            raise ValueError(
-                f"the scheduler gives sigmas of shape {tuple(out.shape)} ending at {float(out[-1])} "
-                f"for {num_steps} steps; the qwen-image family needs {num_steps + 1} ending at 0"
-            )
-        return out.to(torch.float32).clone()
+        return shifted_schedule(self.scheduler, num_steps, (h // 2) * (w // 2), "qwen-image")
 
     @torch.no_grad()
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
@@ -256,33 +248,7 @@ class QwenImageFlowModel(PipelineFlowModel):
 
 
 def is_qwen_image_directory(directory: Path) -> bool:
-    if not (directory / "model_index.json").is_file():
-        return False
-    return read_model_index(directory).get("_class_name") in PIPELINE_CLASSES
-
-
-def _check_index(index: dict[str, Any], directory: Path) -> None:
-    for name, (library, classes) in _COMPONENTS.items():
-        entry = index.get(name)
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[1] in classes):
-            raise ValueError(
-                f"{directory}: model_index.json names {entry!r} for {name!r}; the qwen-image family "
-                f"loads {' or '.join(classes)} ({library})"
-            )
-
-
-def _read_image(directory: Path) -> dict[str, int]:
-    path = directory / IMAGE_FILE
-    if not path.is_file():
-        return dict(DEFAULT_IMAGE)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        image = {key: int(data.get(key, default)) for key, default in DEFAULT_IMAGE.items()}
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        raise ValueError(f"{path}: needs integer height, width, max_sequence_length ({exc})") from None
-    if min(image.values()) <= 0:
-        raise ValueError(f"{path}: height, width and max_sequence_length must be positive")
-    return image
+    return is_pipeline_directory(directory, PIPELINE_CLASSES)
 
 
 def _check_parts(root: Path, transformer: Any, tokenizer: Any, image: dict[str, int], vae: Any) -> None:
@@ -305,31 +271,21 @@ def load_qwen_image(
     directory: str | Path, precision: PrecisionConfig | None = None, prompts: tuple[str, ...] = ()
 ) -> QwenImageFlowModel:
     """Load a Qwen-Image diffusers directory in FP32 (master weights), in eval mode."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     root = Path(directory)
     index = read_model_index(root)
-    _check_index(index, root)
-    image = _read_image(root)
-    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_pretrained(str(root), subfolder="scheduler")
-    with torch.random.fork_rng(devices=[]):  # loading must not move the caller's RNG
-        transformer: Any = QwenImageTransformer2DModel.from_pretrained(
-            str(root), subfolder="transformer", dtype=torch.float32
-        )
-        vae: Any = AutoencoderKLQwenImage.from_pretrained(str(root), subfolder="vae", dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            str(root / "text_encoder"), dtype=torch.float32
-        )
-    _check_parts(root, transformer, tokenizer, image, vae)
+    check_components(index, root, _COMPONENTS, "qwen-image")
+    image = read_sizes(root / IMAGE_FILE, DEFAULT_IMAGE)
+    scheduler = load_scheduler(root, index)
+    transformer, frozen = load_text_parts(
+        root, QwenImageTransformer2DModel, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration
+    )
+    _check_parts(root, transformer, frozen.tokenizer, image, frozen.vae)
     model = QwenImageFlowModel(
         cast(nn.Module, transformer),
-        _Frozen(cast(nn.Module, vae), tokenizer, cast(nn.Module, encoder)),
+        frozen,
         tuple(prompts),
         scheduler=scheduler,
         image=image,

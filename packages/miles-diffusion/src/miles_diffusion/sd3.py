@@ -47,6 +47,7 @@ from torch import nn
 
 from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_parts import TensorFields, is_pipeline_directory, read_model_index
 from miles_diffusion.precision import PrecisionConfig
 
 PIPELINE_CLASSES = ("StableDiffusion3Pipeline",)
@@ -74,22 +75,12 @@ DETERMINISTIC_TEXT_ATTENTION = frozenset({"eager", "sdpa"})
 
 
 @dataclass(frozen=True)
-class SD3Encodings:
+class SD3Encodings(TensorFields):
     """SD3's conditioning for a batch of prompts: ``sequence`` [B, L, joint_attention_dim] (CLIP-L
     and CLIP-G penultimate states, then T5's) and ``pooled`` [B, pooled_projection_dim]."""
 
     sequence: torch.Tensor
     pooled: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.pooled.shape[0])
-
-    def __getitem__(self, index: torch.Tensor | slice) -> SD3Encodings:
-        return SD3Encodings(self.sequence[index], self.pooled[index])
-
-    @staticmethod
-    def cat(parts: list[SD3Encodings]) -> SD3Encodings:
-        return SD3Encodings(torch.cat([p.sequence for p in parts]), torch.cat([p.pooled for p in parts]))
 
 
 @dataclass
@@ -247,22 +238,8 @@ def export_pipeline(model: DiffusionModel, base: str | Path, dest: str | Path) -
     return out
 
 
-def read_model_index(directory: str | Path) -> dict[str, Any]:
-    """``model_index.json`` of a diffusers directory; one ValueError if it is missing or unreadable."""
-    path = Path(directory) / "model_index.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{directory}: no readable model_index.json ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{directory}: model_index.json must hold a JSON object")
-    return data
-
-
 def is_sd3_directory(directory: Path) -> bool:
-    if not (directory / "model_index.json").is_file():
-        return False
-    return read_model_index(directory).get("_class_name") in PIPELINE_CLASSES
+    return is_pipeline_directory(directory, PIPELINE_CLASSES)
 
 
 def _component(index: dict[str, Any], name: str, directory: Path) -> bool:

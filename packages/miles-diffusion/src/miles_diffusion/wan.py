@@ -40,7 +40,6 @@ tokenizer, a 1-layer UMT5 encoder): ``builtin:tiny-wan``.
 from __future__ import annotations
 
 import html
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +49,23 @@ import torch
 from torch import nn
 
 from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_parts import (
+    TensorFields,
+    TextFrozenParts,
+    check_components,
+    filmstrip,
+    is_pipeline_directory,
+    load_scheduler,
+    load_text_parts,
+    read_model_index,
+    read_sizes,
+    save_parts,
+    tiny_t5_settings,
+    write_json,
+    write_model_index,
+)
 from miles_diffusion.precision import PrecisionConfig
-from miles_diffusion.sd3 import read_model_index, write_char_t5_tokenizer
+from miles_diffusion.sd3 import write_char_t5_tokenizer
 
 PIPELINE_CLASSES = ("WanPipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -75,32 +89,10 @@ _COMPONENTS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 @dataclass(frozen=True)
-class WanEncodings:
+class WanEncodings(TensorFields):
     """Wan's conditioning for a batch of prompts: ``sequence`` [B, WAN_MAX_LENGTH, text_dim]."""
 
     sequence: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.sequence.shape[0])
-
-    def __getitem__(self, index: torch.Tensor | slice) -> WanEncodings:
-        return WanEncodings(self.sequence[index])
-
-    @staticmethod
-    def cat(parts: list[WanEncodings]) -> WanEncodings:
-        return WanEncodings(torch.cat([p.sequence for p in parts]))
-
-
-@dataclass
-class _Frozen:
-    """The parts that never train (kept off the module tree, as SD3's are)."""
-
-    vae: nn.Module
-    tokenizer: Any
-    text_encoder: nn.Module
-
-    def modules(self) -> dict[str, nn.Module]:
-        return {"vae": self.vae, "text_encoder": self.text_encoder}
 
 
 def clean_prompt(text: str) -> str:
@@ -113,12 +105,12 @@ class WanFlowModel(PipelineFlowModel):
     """Wan's transformer as a rectified-flow velocity model over video latents, prompted by id."""
 
     encodings_type = WanEncodings
-    _frozen: _Frozen
+    _frozen: TextFrozenParts
 
     def __init__(
         self,
         transformer: nn.Module,
-        frozen: _Frozen,
+        frozen: TextFrozenParts,
         prompts: tuple[str, ...],
         *,
         scheduler: Any,
@@ -160,9 +152,7 @@ class WanFlowModel(PipelineFlowModel):
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """Each video's frames side by side: one filmstrip image [B, 3, H, frames * W] per video
         (what the image rewards score; see the module docstring)."""
-        video = self.to_videos(latents)
-        b, c, f, h, w = video.shape
-        return video.permute(0, 1, 3, 2, 4).reshape(b, c, h, f * w).contiguous()
+        return filmstrip(self.to_videos(latents))
 
     # ------------------------------------------------------------------ internals
 
@@ -198,19 +188,11 @@ class WanFlowModel(PipelineFlowModel):
 
 
 def is_wan_directory(directory: Path) -> bool:
-    if not (directory / "model_index.json").is_file():
-        return False
-    return read_model_index(directory).get("_class_name") in PIPELINE_CLASSES
+    return is_pipeline_directory(directory, PIPELINE_CLASSES)
 
 
 def _check_index(index: dict[str, Any], directory: Path) -> None:
-    for name, (library, classes) in _COMPONENTS.items():
-        entry = index.get(name)
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[1] in classes):
-            raise ValueError(
-                f"{directory}: model_index.json names {entry!r} for {name!r}; the wan family loads "
-                f"{' or '.join(classes)} ({library})"
-            )
+    check_components(index, directory, _COMPONENTS, "wan")
     second = index.get("transformer_2")
     if (second is not None and second != [None, None]) or index.get("boundary_ratio") is not None:
         raise ValueError(
@@ -224,33 +206,17 @@ def _check_index(index: dict[str, Any], directory: Path) -> None:
         )
 
 
-def _read_video(directory: Path) -> dict[str, int]:
-    path = directory / VIDEO_FILE
-    if not path.is_file():
-        return dict(DEFAULT_VIDEO)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        video = {key: int(data[key]) for key in DEFAULT_VIDEO}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: needs integer num_frames, height, width ({exc})") from None
-    if min(video.values()) <= 0:
-        raise ValueError(f"{path}: num_frames, height and width must be positive")
-    return video
-
-
 def load_wan(
     directory: str | Path, precision: PrecisionConfig | None = None, prompts: tuple[str, ...] = ()
 ) -> WanFlowModel:
     """Load a Wan 2.x text-to-video diffusers directory in FP32 (master weights), in eval mode."""
-    import diffusers
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
-    from transformers import AutoTokenizer, T5EncoderModel, UMT5EncoderModel
+    from transformers import T5EncoderModel, UMT5EncoderModel
 
     root = Path(directory)
     index = read_model_index(root)
     _check_index(index, root)
-    scheduler_class = getattr(diffusers, index["scheduler"][1])
-    scheduler = scheduler_class.from_pretrained(str(root), subfolder="scheduler")
+    scheduler = load_scheduler(root, index)
     if scheduler.config.get("use_dynamic_shifting", False):
         raise ValueError(
             f"{root}: the scheduler uses dynamic shifting; the wan family samples with a fixed shift"
@@ -260,17 +226,12 @@ def load_wan(
             f"{root}: a UniPCMultistepScheduler without use_flow_sigmas is not a flow-matching one"
         )
     encoder_class = UMT5EncoderModel if index["text_encoder"][1] == "UMT5EncoderModel" else T5EncoderModel
-    video = _read_video(root)
-    with torch.random.fork_rng(devices=[]):  # loading must not move the caller's RNG
-        transformer = WanTransformer3DModel.from_pretrained(
-            str(root), subfolder="transformer", dtype=torch.float32
-        )
-        vae = AutoencoderKLWan.from_pretrained(str(root), subfolder="vae", dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"))
-        encoder = encoder_class.from_pretrained(str(root / "text_encoder"), dtype=torch.float32)
+    # Wan's video file must name every size (the others' may leave some to the defaults)
+    video = read_sizes(root / VIDEO_FILE, DEFAULT_VIDEO, required=True)
+    transformer, frozen = load_text_parts(root, WanTransformer3DModel, AutoencoderKLWan, encoder_class)
     model = WanFlowModel(
         cast(nn.Module, transformer),
-        _Frozen(cast(nn.Module, vae), tokenizer, cast(nn.Module, encoder)),
+        frozen,
         tuple(prompts),
         scheduler=scheduler,
         video=video,
@@ -305,7 +266,6 @@ class TinyWanConfig:
 def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -> None:
     """Builder of the built-in ``tiny-wan``: the proxy as a diffusers ``WanPipeline`` directory,
     random weights from ``seed`` (the caller's RNG is left as it was)."""
-    import diffusers
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -338,26 +298,10 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
             num_layers=c.num_layers,
             rope_max_seq_len=32,
         )
-        encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=len(tokenizer),
-                d_model=c.text_dim,
-                d_kv=8,
-                d_ff=2 * c.text_dim,
-                num_layers=c.text_layers,
-                num_heads=2,
-                pad_token_id=int(tokenizer.pad_token_id),
-                eos_token_id=int(tokenizer.eos_token_id),
-            )
-        )
-    cast(Any, transformer).save_pretrained(str(dest / "transformer"))
-    cast(Any, vae).save_pretrained(str(dest / "vae"))
-    encoder.save_pretrained(str(dest / "text_encoder"))
-    scheduler: Any = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
-    scheduler.save_pretrained(str(dest / "scheduler"))
+        encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_settings(tokenizer, c.text_dim, c.text_layers)))
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
+    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
     index = {
-        "_class_name": PIPELINE_CLASSES[0],
-        "_diffusers_version": diffusers.__version__,
         "transformer": ["diffusers", "WanTransformer3DModel"],
         "transformer_2": [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
@@ -367,8 +311,5 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
         "boundary_ratio": None,
         "expand_timesteps": False,
     }
-    (dest / "model_index.json").write_text(
-        json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-    )
-    video = {"num_frames": c.num_frames, "height": c.size, "width": c.size}
-    (dest / VIDEO_FILE).write_text(json.dumps(video, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_model_index(dest, PIPELINE_CLASSES[0], index)
+    write_json(dest / VIDEO_FILE, {"num_frames": c.num_frames, "height": c.size, "width": c.size})
