@@ -29,7 +29,16 @@ family's model (SD3, Wan) the adapter wraps the transformer (the only part that 
 In ``mode: sft`` (``algorithm.loss: diffusion_sft``) it trains flow matching on the image samples the
 core's supervised stage hands it instead (:mod:`miles_diffusion.supervised`): no engines, no transport.
 
-FSDP2 through miles-fsdp is a later slice: this backend has one rank and no sharding.
+With ``diffusion.fsdp_ranks: N`` above 1 (Flow-GRPO, full weights) the backend trains data-parallel
+with FSDP2: it starts N local rank processes through miles-fsdp's own rank group
+(:class:`miles_fsdp.ranks.ProcessRanks`, gloo on the CPU, 127.0.0.1 and a free port), each building
+this backend on its rank (:func:`rank_trainer`) with its denoiser sharded by
+:func:`miles_diffusion.fsdp.data_parallel`; every command goes to every rank and rank 0 answers. Each
+rank gets the whole batch and the same seeded denoising steps and re-scores its share of the
+trajectories; FSDP2 sums the share-weighted gradients, so the step equals the one-process step within
+float rounding. The weights the engines get, the checkpoints' weights and the export are the full
+(unsharded) model, gathered from the shards and written by rank 0 exactly as one process writes them;
+a checkpoint's optimizer state is the full (unsharded) AdamW state, keyed by parameter name.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import hashlib
 import math
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,7 +87,13 @@ from miles_diffusion.sd3 import (
 )
 from miles_diffusion.supervised import SupervisedTraining, held_out_images
 
+if TYPE_CHECKING:
+    from miles_diffusion.fsdp import DataParallel
+    from miles_fsdp.ranks import RankGroup
+
 STATE_FILE = "trainer_state.pt"
+FULL_OPTIMIZER = "optimizer_full"  # fsdp_ranks > 1: the full AdamW state, keyed by parameter name
+RANK_TIMEOUT_S = 600.0
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 WHO = "backend 'diffusion'"
@@ -90,7 +105,11 @@ class DiffusionBackend:
     # mode: sft trains given images (miles_diffusion.supervised)
     supervised_kinds = frozenset({IMAGE_SAMPLES})
 
-    def __init__(self) -> None:
+    def __init__(self, place: DataParallel | None = None) -> None:
+        self._place = place  # this rank's place when it is one of fsdp_ranks rank processes
+        self._ranks: RankGroup | None = None  # the rank processes this backend drives (fsdp_ranks > 1)
+        self._whole: DiffusionModel | None = None  # rank 0's unsharded copy the full weights are written from
+        self._prompts: tuple[str, ...] = ()
         self._model: DiffusionModel | None = None
         self._model_path = ""
         self._objective: RolloutObjective | None = None
@@ -112,6 +131,9 @@ class DiffusionBackend:
 
     def setup(self, spec: BackendSpec) -> None:
         section = DiffusionSection(**spec.options.get(SECTION, {}))
+        if section.fsdp_ranks > 1 and self._place is None:
+            self._start_ranks(spec, section.fsdp_ranks)
+            return
         train = TrainSection(**spec.options["train"])
         if spec.correction is not None:
             raise ConfigError(f"{WHO} applies no token correction; set algorithm.correction: null")
@@ -177,6 +199,9 @@ class DiffusionBackend:
             self._supervised = SupervisedTraining(objective, model, held_out_images(run, WHO), WHO)
         elif not isinstance(objective, RolloutObjective):
             raise ConfigError(f"{WHO}: objective {loss.objective!r} trains neither on rollouts nor on images")
+        self._prompts = tuple(rollout_options.prompts or ())
+        if self._place is not None:
+            self._shard(objective)
         optimizer = getattr(objective, "optimizer", None)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
@@ -188,11 +213,50 @@ class DiffusionBackend:
         self._engine_urls = list(spec.engine_urls)
         if self._supervised is not None:  # mode: sft: no engines, no weights to send
             return
+        if self._place is not None and self._place.rank != 0:
+            return  # rank 0 alone sends the gathered weights
         transport: Transport = make_component("transport", spec.transport, spec.transport_options)
         transport.connect(self._engine_urls, rank=0, world_size=1, device="cpu")
         self._transport = transport
         if self._lora is not None:
             self._serve_adapter(transport)
+
+    def _start_ranks(self, spec: BackendSpec, size: int) -> None:
+        """fsdp_ranks > 1: N local rank processes (miles-fsdp's rank group), each building this backend
+        on its rank; the recipe's checks refused what they cannot train before anything started."""
+        from miles_fsdp.ranks import ProcessRanks
+
+        ranks = ProcessRanks(
+            spec,
+            size,
+            start_method="spawn",
+            command_timeout_s=RANK_TIMEOUT_S,
+            trainer_factory="miles_diffusion.backend:rank_trainer",
+        )
+        try:
+            ranks.wait_ready(RANK_TIMEOUT_S)
+        except BaseException:
+            ranks.close()
+            raise
+        self._ranks = ranks
+
+    def _send(self, command: str, arg: Any) -> Any:
+        """Run ``command`` on every rank; rank 0's answer."""
+        assert self._ranks is not None
+        return self._ranks.send(command, [arg] * self._ranks.size)[0]
+
+    def _shard(self, objective: object) -> None:
+        """This rank's share: the objective's model sharded with FSDP2, its optimizer rebuilt over the
+        shards (:func:`miles_diffusion.fsdp.data_parallel`)."""
+        from miles_diffusion.fsdp import data_parallel
+        from miles_diffusion.trainer import FlowGRPOTrainer
+
+        if not isinstance(objective, FlowGRPOTrainer) or self._lora is not None:
+            raise ConfigError(
+                f"{WHO}: diffusion.fsdp_ranks > 1 trains flow_grpo on full weights only (not LoRA, "
+                "diffusion_nft or sft)"
+            )
+        data_parallel(objective)
 
     def _serve_adapter(self, transport: Transport) -> None:
         """LoRA: the engines merge the initial adapter (B = 0: the base, unchanged) and learn its shape.
@@ -214,6 +278,9 @@ class DiffusionBackend:
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        if self._ranks is not None:
+            stats: dict[str, float] = self._send("train_step", batch)
+            return stats
         if self._supervised is not None:
             return self._supervised.train_step(batch.samples, self._generator)
         model, objective = self._ready()
@@ -255,7 +322,16 @@ class DiffusionBackend:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, version: int) -> TransportStats:
+        if self._ranks is not None:
+            sent: TransportStats = self._send("update_weights", version)
+            return sent
         model, _ = self._ready()
+        if self._place is not None:  # every rank gathers the full weights; rank 0 sends them
+            with torch.no_grad():
+                full = self._full_state(model)
+            if self._transport is None:
+                return TransportStats(bytes_sent=0, seconds=0.0, buckets=0, version=version)
+            return self._transport.send(iter(full.items()), version)
         assert self._transport is not None
         with torch.no_grad():
             if self._lora is not None:  # the adapter alone; the engine merges it into its base
@@ -263,8 +339,11 @@ class DiffusionBackend:
                 return self._transport.send(tensors, version)
             return self._transport.send(iter(model.state_dict().items()), version)
 
-    def reconnect_transport(self) -> None:
+    def reconnect_transport(self, _: None = None) -> None:
         """A restarted engine rejoins: the transport talks to the engines over fresh connections."""
+        if self._ranks is not None:
+            self._send("reconnect_transport", None)
+            return
         reconnect = getattr(self._transport, "reconnect", None)
         if callable(reconnect):
             reconnect(self._engine_urls)
@@ -272,6 +351,12 @@ class DiffusionBackend:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, directory: str) -> None:
+        if self._ranks is not None:
+            self._send("save_checkpoint", directory)
+            return
+        if self._place is not None:
+            self._save_sharded(directory)
+            return
         model = self._policy()
         assert self._optimizer is not None
         os.makedirs(directory, exist_ok=True)
@@ -291,6 +376,9 @@ class DiffusionBackend:
         torch.save(state, os.path.join(directory, STATE_FILE))
 
     def load_checkpoint(self, directory: str) -> None:
+        if self._ranks is not None:
+            self._send("load_checkpoint", directory)
+            return
         model = self._policy()
         assert self._optimizer is not None
         state_path = os.path.join(directory, STATE_FILE)
@@ -299,8 +387,18 @@ class DiffusionBackend:
                 f"{WHO}: {directory} holds no {STATE_FILE}; it is not this backend's checkpoint"
             )
         state = torch.load(state_path, weights_only=True)  # tensors and plain data only, never objects
-        self._load_weights(model, directory, state)
-        self._optimizer.load_state_dict(state["optimizer"])
+        sharded = FULL_OPTIMIZER in state
+        if sharded != (self._place is not None):
+            raise ConfigError(
+                f"{WHO}: {directory} was written by "
+                f"{'fsdp_ranks > 1' if sharded else 'one process'}; resume it with "
+                f"diffusion.fsdp_ranks {'above 1' if sharded else '1'}"
+            )
+        if self._place is not None:
+            self._load_sharded(model, directory, state)
+        else:
+            self._load_weights(model, directory, state)
+            self._optimizer.load_state_dict(state["optimizer"])
         self._generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
 
@@ -351,6 +449,14 @@ class DiffusionBackend:
         adapter directory (``PeftModel.from_pretrained(base, directory)``; the engine's
         ``/load_lora_adapter`` merges it), and for a pipeline family's transformer also the same factors
         as diffusers' ``pytorch_lora_weights.safetensors`` (``pipeline.load_lora_weights(directory)``)."""
+        if self._ranks is not None:
+            self._send("export_hf", directory)
+            return
+        if self._place is not None:  # the gathered full weights, written by rank 0
+            whole = self._gather_whole()
+            if whole is not None:
+                self._write_weights(whole, directory, export=True)
+            return
         model = self._policy()
         if self._lora is not None:
             lora_mod.save_adapter(self._peft, directory)
@@ -375,12 +481,97 @@ class DiffusionBackend:
         return {}
 
     def shutdown(self) -> None:
+        ranks, self._ranks = self._ranks, None
+        if ranks is not None:
+            ranks.close()
         transport, self._transport = self._transport, None
         try:
             if transport is not None:
                 transport.close()
         finally:
             self._stack.close()
+
+    def close(self) -> None:
+        """A rank process's end (miles-fsdp's rank group calls it)."""
+        self.shutdown()
+
+    # ------------------------------------------------------------------ fsdp_ranks > 1: full weights
+
+    def _full_state(self, model: DiffusionModel) -> dict[str, torch.Tensor]:
+        """The model's full state dict from the shards (a collective: every rank runs it, in key order)."""
+        from torch.distributed.tensor import DTensor
+
+        return {
+            name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous()
+            for name, t in model.state_dict().items()
+        }
+
+    def _unsharded(self) -> DiffusionModel:
+        """An unsharded copy of the model (loaded from ``model.path`` once), for full weights."""
+        if self._whole is None:
+            self._whole = load_model(self._model_path, prompts=self._prompts).requires_grad_(False)
+        return self._whole
+
+    def _gather_whole(self) -> DiffusionModel | None:
+        """Every rank gathers the full weights; rank 0 gets them in its unsharded copy, the others None."""
+        assert self._place is not None
+        with torch.no_grad():
+            full = self._full_state(self._policy())
+        if self._place.rank != 0:
+            return None
+        whole = self._unsharded()
+        whole.load_state_dict(full, strict=True)
+        return whole
+
+    def _write_weights(self, model: DiffusionModel, directory: str, *, export: bool) -> None:
+        """Full weights as one process writes them: a checkpoint's, or the export."""
+        if isinstance(model, PipelineFlowModel):
+            if export:
+                export_pipeline(model, self._model_path, directory)
+            else:
+                save_transformer(model, directory)
+            return
+        assert isinstance(model, FlowModel)
+        save_pretrained(model, directory if export else os.path.join(directory, MODEL_DIR))
+
+    def _save_sharded(self, directory: str) -> None:
+        """A rank's part of a checkpoint: the full weights and the full AdamW state, written by rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self._place is not None and self._optimizer is not None
+        whole = self._gather_whole()
+        optimizer = get_optimizer_state_dict(
+            self._policy(),
+            self._optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+        if whole is None:
+            return
+        os.makedirs(directory, exist_ok=True)
+        self._write_weights(whole, directory, export=False)
+        state: dict[str, Any] = {
+            FULL_OPTIMIZER: optimizer,
+            "generator": self._generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        torch.save(state, os.path.join(directory, STATE_FILE))
+
+    def _load_sharded(self, model: DiffusionModel, directory: str, state: dict[str, Any]) -> None:
+        """Every rank reads the full weights and optimizer state and keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self._optimizer is not None
+        whole = self._unsharded()
+        self._load_weights(whole, directory, state)
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, whole.state_dict(), options=options)
+        set_optimizer_state_dict(model, self._optimizer, state[FULL_OPTIMIZER], options=options)
+        if self._place is not None and self._place.rank != 0:
+            self._whole = None  # only rank 0 writes full weights
 
     # ------------------------------------------------------------------ helpers
 
@@ -394,6 +585,18 @@ class DiffusionBackend:
         if self._model is None:
             raise RuntimeError(f"{WHO}: setup() has not run")
         return self._model
+
+
+def rank_trainer(
+    spec: BackendSpec, rank: int, world_size: int, device_index: int | None = None
+) -> DiffusionBackend:
+    """One of ``diffusion.fsdp_ranks`` rank processes (miles-fsdp's rank group builds it after joining
+    the gloo process group): this backend on its rank, its denoiser sharded."""
+    from miles_diffusion.fsdp import DataParallel
+
+    backend = DiffusionBackend(DataParallel(rank, world_size))
+    backend.setup(spec)
+    return backend
 
 
 def _digest(model_path: str, pipeline: bool = False) -> str:

@@ -63,6 +63,7 @@ def check_recipe(config: Any) -> None:
             "one (use flow_grpo or diffusion_nft, with algorithm.advantage: diffusion_grpo)"
         )
     _refuse_unwired(config)
+    _check_fsdp_ranks(config)
     _refuse_token_settings(config)
     _check_prompt_texts(config)
     _check_guidance(config)
@@ -145,7 +146,10 @@ def _refuse_unwired(config: Any) -> None:
         ),
         (config.distillation is not None, "distillation"),
         (config.warm_start is not None, "warm_start"),
-        (config.placement.launcher != "local", "placement.launcher 'ray' (the backend is one local process)"),
+        (
+            config.placement.launcher != "local",
+            "placement.launcher 'ray' (the backend runs local processes: one, or diffusion.fsdp_ranks)",
+        ),
         (
             config.engine.device != "cpu",
             f"engine.device {config.engine.device!r} (engine and trainer run on the CPU)",
@@ -184,6 +188,30 @@ def _refuse_unwired(config: Any) -> None:
         raise ConfigError(
             f"rollout.n_samples_per_prompt {n} exceeds engine.max_batch_size {most}: a group is one engine "
             "request; raise engine.max_batch_size or draw fewer samples per prompt"
+        )
+
+
+def _check_fsdp_ranks(config: Any) -> None:
+    """``diffusion.fsdp_ranks`` above 1 trains Flow-GRPO's full weights data-parallel; the rest is refused."""
+    ranks = int(getattr(getattr(config, "diffusion", None), "fsdp_ranks", 1))
+    if ranks == 1:
+        return
+    loss = load_component("loss", config.algorithm.loss) if config.algorithm.loss else None
+    name = getattr(loss, "objective", None)
+    if config.mode != "rl" or name != "flow_grpo":
+        raise ConfigError(
+            f"diffusion.fsdp_ranks {ranks}: data-parallel training runs flow_grpo only (not {name or config.mode}); "
+            "set diffusion.fsdp_ranks: 1"
+        )
+    if config.lora is not None:
+        raise ConfigError(
+            f"diffusion.fsdp_ranks {ranks}: LoRA trains in one process; set diffusion.fsdp_ranks: 1"
+        )
+    batch = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt
+    if batch % ranks:
+        raise ConfigError(
+            f"diffusion.fsdp_ranks {ranks} does not divide the step's {batch} trajectories "
+            "(rollout.prompts_per_step x n_samples_per_prompt); pick a divisor"
         )
 
 

@@ -8,7 +8,8 @@ SECTION = "diffusion"
 
 
 class DiffusionSection(BaseModel):
-    """How the diffusion backend trains: one process on the CPU (the optimizer settings are ``train:``'s)."""
+    """How the diffusion backend trains: on the CPU, one process or ``fsdp_ranks`` FSDP2 ranks (the
+    optimizer settings are ``train:``'s)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -28,4 +29,10 @@ class DiffusionSection(BaseModel):
     )
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads of the trainer (None: as started)"
+    )
+    fsdp_ranks: int = Field(
+        1,
+        ge=1,
+        description="flow_grpo: local FSDP2 data-parallel ranks (gloo, CPU), each re-scoring its share of "
+        "the step's trajectories; 1: one process, no sharding",
     )

@@ -158,7 +158,9 @@ class ProcessRanks(RankGroup):
         *,
         start_method: Literal["spawn", "forkserver"],
         command_timeout_s: float,
+        trainer_factory: str | None = None,
     ) -> None:
+        """``trainer_factory``: what each rank builds (see :func:`miles_fsdp.worker.start_rank`)."""
         super().__init__(size, command_timeout_s)
         from miles_fsdp.worker import rank_main
 
@@ -172,7 +174,7 @@ class ProcessRanks(RankGroup):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, size, port, child, spec, command_timeout_s),
+                args=(rank, size, port, child, spec, command_timeout_s, trainer_factory),
                 name=f"miles-fsdp-rank{rank}",
                 daemon=True,
             )

@@ -81,8 +81,13 @@ def start_rank(
     master: tuple[str, int],
     timeout_s: float,
     device_index: int | None = None,
+    trainer_factory: str | None = None,
 ) -> RankCommands:
     """Join the default process group and build this rank's trainer.
+
+    ``trainer_factory``: an import path (``pkg.module:attr``) to a callable taking ``(spec, rank,
+    world_size, device_index=...)`` that builds the rank's trainer instead of miles-fsdp's own
+    :class:`~miles_fsdp.rank.RankTrainer` (another backend reusing these ranks: miles-diffusion's).
 
     ``master`` is rank 0's (address, port) for the rendezvous. ``device_index`` is the CUDA
     device this rank uses (default: its rank, one GPU per rank on one machine; a Ray actor
@@ -116,20 +121,34 @@ def start_rank(
         timeout=timedelta(seconds=timeout_s),
         device_id=torch.device("cuda", index) if cuda else None,
     )
+    if trainer_factory is not None:
+        import importlib
+
+        module, _, attr = trainer_factory.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        return RankCommands(factory(spec, rank, world_size, device_index=index))
     from miles_fsdp.rank import RankTrainer
 
     return RankCommands(RankTrainer(spec, rank, world_size, device_index=index))
 
 
 def rank_main(
-    rank: int, world_size: int, port: int, conn: Connection, spec: BackendSpec, timeout_s: float
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: Connection,
+    spec: BackendSpec,
+    timeout_s: float,
+    trainer_factory: str | None = None,
 ) -> None:
     """A local rank process: build, say ready, serve the pipe until shutdown or until the driver goes."""
     # The terminal's Ctrl-C reaches the whole process group; the driver decides when ranks stop
     # (it finishes the step first), so a rank must not die of it mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        commands = start_rank(spec, rank, world_size, ("127.0.0.1", port), timeout_s)
+        commands = start_rank(
+            spec, rank, world_size, ("127.0.0.1", port), timeout_s, trainer_factory=trainer_factory
+        )
         conn.send(("ready", {"pid": os.getpid()}))
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
