@@ -4,7 +4,9 @@ one-process step within float rounding: the first step's loss and grad norm with
 after it (the step-1 checkpoint, written from the gathered full model) within 1e-5 but for at most 1 in
 10,000 entries, which stay within 1e-4 (AdamW's near-zero gradients); the engine serves version
 step + 1; the engine-trainer log-prob gap stays within 1e-5; ``--resume`` from the step-1 checkpoint (full
-weights, full AdamW state) redoes the last step. Refusals are one line each, before anything starts.
+weights, full AdamW state) redoes the last step. The SD3 and Wan proxies' first steps with two ranks
+equal their committed one-process standards within 1e-5. Refusals are one line each, before anything
+starts.
 """
 
 from __future__ import annotations
@@ -103,3 +105,27 @@ def test_diffusion_nft_with_fsdp_ranks_is_refused() -> None:
     config = load_recipe("tiny_diffusion_nft", ["diffusion.fsdp_ranks=2"])
     with pytest.raises(ConfigError, match="runs flow_grpo only"):
         check_recipe(config)
+
+
+def _standard_first_step(name: str) -> dict[str, float]:
+    rows = json.loads((Path(__file__).parent / "standards" / f"{name}.json").read_text())
+    first: dict[str, float] = rows[0]
+    return first
+
+
+@pytest.mark.parametrize("recipe", ["sd3_flow_grpo_proxy", "wan_flow_grpo_proxy"])
+def test_two_fsdp_ranks_train_a_pipeline_family_through_miles_run(tmp_path: Path, recipe: str) -> None:
+    """A pipeline family's transformer sharded over two ranks: the first step equals the one-process
+    run's committed standard within 1e-5, and the export is a whole pipeline directory."""
+    args = _args(tmp_path, 2)
+    args[1] = recipe
+    _miles(*args)
+    run_dir = tmp_path / recipe
+    rows = _rows(run_dir)
+    assert [r["engine/weight_version"] for r in rows] == [1.0, 2.0]
+    assert all(r["train/logprob_mismatch_max"] <= TOL for r in rows)
+    standard = _standard_first_step(f"{recipe}_core")
+    for key in ("train/loss", "train/grad_norm"):
+        assert abs(rows[0][key] - standard[key]) <= TOL, key
+    assert (run_dir / "final" / "model_index.json").is_file()
+    assert (run_dir / "checkpoints" / "step_000001" / "trainer" / "transformer").is_dir()
