@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_model import ImageLatentsFlowModel
 from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
@@ -130,38 +130,13 @@ def velocity_times(sigmas: torch.Tensor) -> torch.Tensor:
     return sigmas / (sigmas + 1.0)
 
 
-class CosmosFlowModel(PipelineFlowModel):
+class CosmosFlowModel(ImageLatentsFlowModel):
     """Cosmos-Predict2's transformer as a rectified-flow velocity model over image latents."""
 
     encodings_type = CosmosEncodings
     unconditional_text = DEFAULT_NEGATIVE_PROMPT
     """Cosmos guides against its default negative prompt, not the empty text."""
     _frozen: TextFrozenParts
-
-    def __init__(
-        self,
-        transformer: nn.Module,
-        frozen: TextFrozenParts,
-        prompts: tuple[str, ...],
-        *,
-        scheduler: Any,
-        image: dict[str, int],
-        precision: PrecisionConfig | None = None,
-    ) -> None:
-        super().__init__(transformer, frozen, prompts, scheduler=scheduler, precision=precision)
-        self.image = dict(image)
-        self.max_sequence_length = int(image["max_sequence_length"])
-
-    @property
-    def vae_scale_factor(self) -> int:
-        # the pipeline's rule: one 2x spatial step per temporal-downsample entry of the VAE
-        return 2 ** len(cast(Any, self._frozen.vae).config.temperal_downsample)
-
-    @property
-    def latent_shape(self) -> tuple[int, ...]:
-        z_dim = int(cast(Any, self._frozen.vae).config.z_dim)
-        s = self.vae_scale_factor
-        return (z_dim, self.image["height"] // s, self.image["width"] // s)
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         """``num_steps + 1`` times: the pipeline's Karras sigmas as ``t = s / (1 + s)``, then 0."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 from torch import nn
@@ -151,3 +151,34 @@ class PipelineFlowModel(DiffusionModel):
             module._apply(fn)
         self._encoded.clear()
         return self
+
+
+class ImageLatentsFlowModel(PipelineFlowModel):
+    """A family whose latents are one image ``[C, h, w]`` through a Wan-style VAE (Qwen-Image,
+    Cosmos-Predict2), sized by the directory's size file (``image``: height, width,
+    max_sequence_length)."""
+
+    def __init__(
+        self,
+        transformer: nn.Module,
+        frozen: FrozenParts,
+        prompts: tuple[str, ...],
+        *,
+        scheduler: Any,
+        image: dict[str, int],
+        precision: PrecisionConfig | None = None,
+    ) -> None:
+        super().__init__(transformer, frozen, prompts, scheduler=scheduler, precision=precision)
+        self.image = dict(image)
+        self.max_sequence_length = int(image["max_sequence_length"])
+
+    @property
+    def vae_scale_factor(self) -> int:
+        # the pipelines' rule: one 2x spatial step per temporal-downsample entry of the VAE
+        return 2 ** len(cast(Any, self._frozen).vae.config.temperal_downsample)
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        z_dim = int(cast(Any, self._frozen).vae.config.z_dim)
+        s = self.vae_scale_factor
+        return (z_dim, self.image["height"] // s, self.image["width"] // s)

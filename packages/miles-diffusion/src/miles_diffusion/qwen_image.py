@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_model import ImageLatentsFlowModel
 from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
@@ -153,7 +153,7 @@ def shifted_schedule(scheduler: Any, num_steps: int, image_tokens: int, family: 
     return out.to(torch.float32).clone()
 
 
-class QwenImageFlowModel(PipelineFlowModel):
+class QwenImageFlowModel(ImageLatentsFlowModel):
     """Qwen-Image's transformer as a rectified-flow velocity model over image latents."""
 
     encodings_type = QwenImageEncodings
@@ -163,31 +163,6 @@ class QwenImageFlowModel(PipelineFlowModel):
     """Guidance is refused: Qwen-Image's pipeline guides with a negative prompt and rescales the
     guided velocity to the conditional one's norm per token ("true CFG"), which the shared
     classifier-free guidance (``v_u + w (v_c - v_u)``) is not; sampling is conditional only."""
-
-    def __init__(
-        self,
-        transformer: nn.Module,
-        frozen: TextFrozenParts,
-        prompts: tuple[str, ...],
-        *,
-        scheduler: Any,
-        image: dict[str, int],
-        precision: PrecisionConfig | None = None,
-    ) -> None:
-        super().__init__(transformer, frozen, prompts, scheduler=scheduler, precision=precision)
-        self.image = dict(image)
-        self.max_sequence_length = int(image["max_sequence_length"])
-
-    @property
-    def vae_scale_factor(self) -> int:
-        # the pipeline's rule: one 2x spatial step per temporal-downsample entry of the VAE
-        return 2 ** len(cast(Any, self._frozen.vae).config.temperal_downsample)
-
-    @property
-    def latent_shape(self) -> tuple[int, ...]:
-        z_dim = int(cast(Any, self._frozen.vae).config.z_dim)
-        s = self.vae_scale_factor
-        return (z_dim, self.image["height"] // s, self.image["width"] // s)
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         _, h, w = self.latent_shape
