@@ -53,26 +53,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from miles_diffusion.pipeline_model import ImageLatentsFlowModel
+from miles_diffusion.pipeline_model import ImageLatentsFlowModel, prompted_model
 from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
-    check_components,
+    decode_wan_latents,
     is_pipeline_directory,
-    load_scheduler,
-    load_text_parts,
-    read_model_index,
-    read_sizes,
-    save_parts,
+    load_text_pipeline,
     tiny_t5_settings,
-    write_json,
-    write_model_index,
+    tiny_wan_vae,
+    write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.sd3 import write_char_t5_tokenizer
@@ -153,12 +148,7 @@ class CosmosFlowModel(ImageLatentsFlowModel):
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """VAE-decode final latents [B, C, h, w] (the per-channel latent normalisation undone first)
         to images [B, 3, H, W] in [0, 1]."""
-        vae: Any = self._frozen.vae
-        shape = (1, int(vae.config.z_dim), 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
-        std = torch.tensor(vae.config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
-        x = latents[:, :, None] / SIGMA_DATA * std + mean
-        decoded = vae.decode(x, return_dict=False)[0][:, :, 0]
+        decoded = decode_wan_latents(self._frozen.vae, latents[:, :, None] / SIGMA_DATA)[:, :, 0]
         return ((decoded.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
     # ------------------------------------------------------------------ internals
@@ -180,15 +170,8 @@ class CosmosFlowModel(ImageLatentsFlowModel):
     def _encode_text(self, text: str) -> CosmosEncodings:
         """One prompt's conditioning [1, L, D], autocast off (frozen FP32 encoder)."""
         device = next(self.transformer.parameters()).device
-        tokens = self._frozen.tokenizer(
-            [text],
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            return_tensors="pt",
-        )
-        ids = cast(torch.Tensor, tokens.input_ids).to(device)
-        mask = cast(torch.Tensor, tokens.attention_mask).to(device)
+        # the tokenizer's defaults: special tokens added, the attention mask returned
+        ids, mask = self._frozen.padded_tokens(text, self.max_sequence_length, device)
         with torch.autocast(device_type=device.type, enabled=False):
             states = self._frozen.text_encoder(ids, attention_mask=mask).last_hidden_state
         keep = mask.to(states.dtype)  # 1 on the prompt's tokens (right padding)
@@ -228,24 +211,12 @@ def load_cosmos(
     from diffusers import AutoencoderKLWan, CosmosTransformer3DModel
     from transformers import T5EncoderModel
 
-    root = Path(directory)
-    index = read_model_index(root)
-    check_components(index, root, _COMPONENTS, "cosmos")
-    image = read_sizes(root / IMAGE_FILE, DEFAULT_IMAGE)
-    scheduler = load_scheduler(root, index)
+    classes = (CosmosTransformer3DModel, AutoencoderKLWan, T5EncoderModel)
+    loaded = load_text_pipeline(directory, "cosmos", _COMPONENTS, IMAGE_FILE, DEFAULT_IMAGE, classes)
     # the pipeline sets these on its scheduler whatever the directory holds; so do we
-    scheduler.register_to_config(sigma_max=SIGMA_MAX, sigma_min=SIGMA_MIN, sigma_data=SIGMA_DATA)
-    transformer, frozen = load_text_parts(root, CosmosTransformer3DModel, AutoencoderKLWan, T5EncoderModel)
-    _check_parts(root, transformer, frozen.vae, scheduler, image)
-    model = CosmosFlowModel(
-        cast(nn.Module, transformer),
-        frozen,
-        tuple(prompts),
-        scheduler=scheduler,
-        image=image,
-        precision=precision,
-    )
-    return model.eval()
+    loaded.scheduler.register_to_config(sigma_max=SIGMA_MAX, sigma_min=SIGMA_MIN, sigma_data=SIGMA_DATA)
+    _check_parts(loaded.root, loaded.transformer, loaded.frozen.vae, loaded.scheduler, loaded.sizes)
+    return prompted_model(CosmosFlowModel, loaded, prompts, precision, image=loaded.sizes)
 
 
 # ----------------------------------------------------------------------------- the proxy
@@ -284,12 +255,10 @@ def build_tiny_cosmos(dest: Path, seed: int, config: TinyCosmosConfig | None = N
     tokenizer = write_char_t5_tokenizer(dest / "tokenizer")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = AutoencoderKLWan(
-            base_dim=c.vae_base_dim,
-            z_dim=c.z_dim,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
+        vae = tiny_wan_vae(
+            AutoencoderKLWan,
+            c.vae_base_dim,
+            c.z_dim,
             latents_mean=[round(0.1 * (i - 1.5), 2) for i in range(c.z_dim)],
             latents_std=[round(0.5 + 0.25 * i, 2) for i in range(c.z_dim)],
         )
@@ -310,15 +279,6 @@ def build_tiny_cosmos(dest: Path, seed: int, config: TinyCosmosConfig | None = N
         )
         encoder = T5EncoderModel(T5Config(**tiny_t5_settings(tokenizer, c.text_dim, c.text_layers)))
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_karras_sigmas=True)
-    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
-    index = {
-        "transformer": ["diffusers", "CosmosTransformer3DModel"],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "T5TokenizerFast"],
-    }
-    write_model_index(dest, PIPELINE_CLASSES[0], index)
-    write_json(
-        dest / IMAGE_FILE, {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
-    )
+    parts = {"transformer": transformer, "vae": vae, "text_encoder": encoder, "scheduler": scheduler}
+    image = {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
+    write_proxy_files(dest, PIPELINE_CLASSES[0], parts, "T5TokenizerFast", IMAGE_FILE, image)

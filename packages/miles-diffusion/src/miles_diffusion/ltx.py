@@ -59,21 +59,15 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_model import PipelineFlowModel, prompted_model
 from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
-    check_components,
     filmstrip,
     is_pipeline_directory,
-    load_scheduler,
-    load_text_parts,
-    read_model_index,
-    read_sizes,
-    save_parts,
+    load_text_pipeline,
     tiny_t5_settings,
-    write_json,
-    write_model_index,
+    write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.qwen_image import shifted_schedule
@@ -199,17 +193,8 @@ class LTXFlowModel(PipelineFlowModel):
     def _encode_text(self, text: str) -> LTXEncodings:
         """One prompt's conditioning [1, L, D] and mask [1, L], autocast off (frozen FP32 encoder)."""
         device = next(self.transformer.parameters()).device
-        tokens = self._frozen.tokenizer(
-            [text],
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        ids = cast(torch.Tensor, tokens.input_ids).to(device)
-        mask = cast(torch.Tensor, tokens.attention_mask).to(device=device, dtype=torch.long)
+        ids, mask = self._frozen.padded_tokens(text, self.max_sequence_length, device)
+        mask = mask.to(dtype=torch.long)
         with torch.autocast(device_type=device.type, enabled=False):
             states = self._frozen.text_encoder(ids).last_hidden_state  # no mask: the pipeline's reading
         return LTXEncodings(states, mask)
@@ -254,24 +239,10 @@ def load_ltx(
     from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
     from transformers import T5EncoderModel
 
-    root = Path(directory)
-    index = read_model_index(root)
-    check_components(index, root, _COMPONENTS, "ltx")
-    video = read_sizes(root / VIDEO_FILE, DEFAULT_VIDEO)
-    scheduler = load_scheduler(root, index)
-    transformer, frozen = load_text_parts(
-        root, LTXVideoTransformer3DModel, AutoencoderKLLTXVideo, T5EncoderModel
-    )
-    _check_parts(root, transformer, frozen.vae, video)
-    model = LTXFlowModel(
-        cast(nn.Module, transformer),
-        frozen,
-        tuple(prompts),
-        scheduler=scheduler,
-        video=video,
-        precision=precision,
-    )
-    return model.eval()
+    classes = (LTXVideoTransformer3DModel, AutoencoderKLLTXVideo, T5EncoderModel)
+    loaded = load_text_pipeline(directory, "ltx", _COMPONENTS, VIDEO_FILE, DEFAULT_VIDEO, classes)
+    _check_parts(loaded.root, loaded.transformer, loaded.frozen.vae, loaded.sizes)
+    return prompted_model(LTXFlowModel, loaded, prompts, precision, video=loaded.sizes)
 
 
 # ----------------------------------------------------------------------------- the proxy
@@ -358,15 +329,7 @@ def build_tiny_ltx(dest: Path, seed: int, config: TinyLTXConfig | None = None) -
             T5Config(**tiny_t5_settings(tokenizer, c.text_dim, c.text_layers), feed_forward_proj="gated-gelu")
         )
     scheduler = FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER)
-    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
-    index = {
-        "transformer": ["diffusers", "LTXVideoTransformer3DModel"],
-        "vae": ["diffusers", "AutoencoderKLLTXVideo"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "T5EncoderModel"],
-        "tokenizer": ["transformers", "T5TokenizerFast"],
-    }
-    write_model_index(dest, PIPELINE_CLASSES[0], index)
+    parts = {"transformer": transformer, "vae": vae, "text_encoder": encoder, "scheduler": scheduler}
     video = {
         "num_frames": c.num_frames,
         "height": c.size,
@@ -374,4 +337,4 @@ def build_tiny_ltx(dest: Path, seed: int, config: TinyLTXConfig | None = None) -
         "frame_rate": c.frame_rate,
         "max_sequence_length": c.max_sequence_length,
     }
-    write_json(dest / VIDEO_FILE, video)
+    write_proxy_files(dest, PIPELINE_CLASSES[0], parts, "T5TokenizerFast", VIDEO_FILE, video)

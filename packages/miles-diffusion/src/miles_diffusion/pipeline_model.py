@@ -8,12 +8,13 @@ from __future__ import annotations
 import copy
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol, cast
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
 
 from miles_diffusion.denoiser import Conditioning, DiffusionModel
+from miles_diffusion.pipeline_parts import TextPipeline
 from miles_diffusion.precision import PrecisionConfig, keep_fp32
 
 UNCONDITIONAL_TEXT = ""
@@ -182,3 +183,27 @@ class ImageLatentsFlowModel(PipelineFlowModel):
         z_dim = int(cast(Any, self._frozen).vae.config.z_dim)
         s = self.vae_scale_factor
         return (z_dim, self.image["height"] // s, self.image["width"] // s)
+
+
+Model = TypeVar("Model", bound=PipelineFlowModel)
+
+
+def prompted_model(
+    model_class: Callable[..., Model],
+    loaded: TextPipeline,
+    prompts: Sequence[str],
+    precision: PrecisionConfig | None,
+    **sizes: dict[str, int],
+) -> Model:
+    """A one-text-encoder family's model over its loaded directory, in eval mode: each such family
+    builds it alike from the same parts; only the keyword of its size dict (``video``, ``image``)
+    is its own, given in ``sizes``."""
+    model = model_class(
+        loaded.transformer,
+        loaded.frozen,
+        tuple(prompts),
+        scheduler=loaded.scheduler,
+        precision=precision,
+        **sizes,
+    )
+    return model.eval()

@@ -6,9 +6,11 @@ encoder call, latent layout, transformer call, schedule, decode and refusals):
   whose batch operations (``len``, indexing, ``cat``) act on every field alike;
 - :class:`TextFrozenParts`: the frozen VAE, tokenizer and text encoder of a one-encoder family;
 - the loader's common steps (:func:`is_pipeline_directory`, :func:`check_components`,
-  :func:`read_sizes`, :func:`load_scheduler`, :func:`load_text_parts`);
-- the proxy builders' common steps (:func:`tiny_t5_settings`, :func:`save_parts`,
-  :func:`write_model_index`, :func:`write_json`);
+  :func:`read_sizes`, :func:`load_scheduler`, :func:`load_text_parts`), and
+  :func:`load_text_pipeline`, all of them in the order the one-encoder families read a directory;
+- the proxy builders' common steps (:func:`tiny_t5_settings`, :func:`tiny_wan_vae`,
+  :func:`save_parts`, :func:`write_model_index`, :func:`write_json`, :func:`write_proxy_files`);
+- :func:`decode_wan_latents`, the decode of the Wan-style VAE (Wan, Qwen-Image, Cosmos);
 - :func:`filmstrip`, how a video family's videos reach the image rewards.
 """
 
@@ -58,6 +60,25 @@ class TextFrozenParts:
 
     def modules(self) -> dict[str, nn.Module]:
         return {"vae": self.vae, "text_encoder": self.text_encoder}
+
+    def padded_tokens(
+        self, text: str, max_length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One text's token ids and attention mask ``[1, max_length]`` on ``device``: padded to
+        ``max_length`` (truncated past it), as Wan, LTX-Video and Cosmos tokenize, so a prompt's
+        encoding never depends on the prompts beside it."""
+        tokens = self.tokenizer(
+            [text],
+            padding="max_length",
+            max_length=max_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        return cast(torch.Tensor, tokens.input_ids).to(device), cast(torch.Tensor, tokens.attention_mask).to(
+            device
+        )
 
 
 # ----------------------------------------------------------------------------- loading
@@ -145,6 +166,40 @@ def load_text_parts(
     return transformer, TextFrozenParts(cast(nn.Module, vae), tokenizer, cast(nn.Module, encoder))
 
 
+@dataclass(frozen=True)
+class TextPipeline:
+    """A one-text-encoder directory as :func:`load_text_pipeline` reads it, before its family checks
+    the parts against each other and builds its model from them."""
+
+    root: Path
+    sizes: dict[str, int]
+    """The size file's numbers (:func:`read_sizes`), the family's defaults where it is absent."""
+    scheduler: Any
+    transformer: nn.Module
+    frozen: TextFrozenParts
+
+
+def load_text_pipeline(
+    directory: str | Path,
+    family: str,
+    components: dict[str, tuple[str, tuple[str, ...]]],
+    size_file: str,
+    default_sizes: dict[str, int],
+    part_classes: tuple[Any, Any, Any],
+) -> TextPipeline:
+    """Read a one-text-encoder directory as Qwen-Image, LTX-Video and Cosmos do, in one order (so a
+    directory with several faults is refused for the same one whichever family reads it): the index
+    checked against ``components``, the size file, the scheduler, then the weights of
+    ``part_classes`` (transformer, VAE, text encoder; see :func:`load_text_parts`)."""
+    root = Path(directory)
+    index = read_model_index(root)
+    check_components(index, root, components, family)
+    sizes = read_sizes(root / size_file, default_sizes)
+    scheduler = load_scheduler(root, index)
+    transformer, frozen = load_text_parts(root, *part_classes)
+    return TextPipeline(root, sizes, scheduler, cast(nn.Module, transformer), frozen)
+
+
 # ----------------------------------------------------------------------------- the proxies
 
 
@@ -174,6 +229,20 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def tiny_wan_vae(vae_class: Any, base_dim: int, z_dim: int, **settings: Any) -> Any:
+    """The proxies' toy Wan-style VAE (``AutoencoderKLWan`` or Qwen-Image's copy of it): base width
+    ``base_dim``, 3 stages of widths (1, 2, 2) with one residual block each, one temporal downsample
+    (4x spatial compression); ``settings`` add the latent statistics and the rest."""
+    return vae_class(
+        base_dim=base_dim,
+        z_dim=z_dim,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        **settings,
+    )
+
+
 def write_model_index(dest: Path, pipeline_class: str, components: dict[str, Any]) -> None:
     """``model_index.json`` of a proxy: its pipeline class, the diffusers version, ``components``."""
     import diffusers
@@ -182,6 +251,40 @@ def write_model_index(dest: Path, pipeline_class: str, components: dict[str, Any
         dest / "model_index.json",
         {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__, **components},
     )
+
+
+def write_proxy_files(
+    dest: Path,
+    pipeline_class: str,
+    parts: dict[str, Any],
+    tokenizer_class: str,
+    size_file: str,
+    sizes: dict[str, int],
+    **more_index: Any,
+) -> None:
+    """Everything of a proxy directory but its tokenizer: each of ``parts`` saved under its component
+    name (:func:`save_parts`); ``model_index.json`` of ``pipeline_class`` naming each part's class
+    and library (the top package of the class's module, as diffusers names them), the tokenizer's
+    ``tokenizer_class`` and ``more_index``; the size file the family reads the sampled size from."""
+    save_parts(dest, **parts)
+    index = {name: [type(part).__module__.split(".")[0], type(part).__name__] for name, part in parts.items()}
+    index["tokenizer"] = ["transformers", tokenizer_class]
+    write_model_index(dest, pipeline_class, {**index, **more_index})
+    write_json(dest / size_file, sizes)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def decode_wan_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """A Wan-style VAE's raw decode (``[-1, 1]``, not yet clamped) of normalised video latents
+    ``[B, C, F, h, w]``: the per-channel ``latents_mean`` / ``latents_std`` of its config undone
+    first. Wan decodes its videos so; Qwen-Image and Cosmos their images as one-frame videos."""
+    config = vae.config
+    shape = (1, int(config.z_dim), 1, 1, 1)
+    mean = torch.tensor(config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
+    std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
+    return cast(torch.Tensor, vae.decode(latents * std + mean, return_dict=False)[0])
 
 
 # ----------------------------------------------------------------------------- videos

@@ -48,18 +48,14 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch import nn
 
-from miles_diffusion.pipeline_model import ImageLatentsFlowModel
+from miles_diffusion.pipeline_model import ImageLatentsFlowModel, prompted_model
 from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
-    check_components,
+    decode_wan_latents,
     is_pipeline_directory,
-    load_scheduler,
-    load_text_parts,
-    read_model_index,
-    read_sizes,
+    load_text_pipeline,
 )
 from miles_diffusion.precision import PrecisionConfig
 
@@ -172,11 +168,7 @@ class QwenImageFlowModel(ImageLatentsFlowModel):
     def to_images(self, latents: torch.Tensor) -> torch.Tensor:
         """VAE-decode final latents [B, C, h, w] (the per-channel latent normalisation undone first)
         to images [B, 3, H, W] in [0, 1]."""
-        vae: Any = self._frozen.vae
-        shape = (1, int(vae.config.z_dim), 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
-        std = torch.tensor(vae.config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
-        decoded = vae.decode(latents[:, :, None] * std + mean, return_dict=False)[0][:, :, 0]
+        decoded = decode_wan_latents(self._frozen.vae, latents[:, :, None])[:, :, 0]
         return ((decoded.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
     # ------------------------------------------------------------------ internals
@@ -249,24 +241,10 @@ def load_qwen_image(
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    root = Path(directory)
-    index = read_model_index(root)
-    check_components(index, root, _COMPONENTS, "qwen-image")
-    image = read_sizes(root / IMAGE_FILE, DEFAULT_IMAGE)
-    scheduler = load_scheduler(root, index)
-    transformer, frozen = load_text_parts(
-        root, QwenImageTransformer2DModel, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration
-    )
-    _check_parts(root, transformer, frozen.tokenizer, image, frozen.vae)
-    model = QwenImageFlowModel(
-        cast(nn.Module, transformer),
-        frozen,
-        tuple(prompts),
-        scheduler=scheduler,
-        image=image,
-        precision=precision,
-    )
-    return model.eval()
+    classes = (QwenImageTransformer2DModel, AutoencoderKLQwenImage, Qwen2_5_VLForConditionalGeneration)
+    loaded = load_text_pipeline(directory, "qwen-image", _COMPONENTS, IMAGE_FILE, DEFAULT_IMAGE, classes)
+    _check_parts(loaded.root, loaded.transformer, loaded.frozen.tokenizer, loaded.sizes, loaded.frozen.vae)
+    return prompted_model(QwenImageFlowModel, loaded, prompts, precision, image=loaded.sizes)
 
 
 def build_tiny_qwen_image(dest: Path, seed: int) -> None:

