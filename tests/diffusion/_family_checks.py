@@ -1,27 +1,69 @@
 """Checks every diffusers-pipeline family's tests make alike (Wan, Qwen-Image, LTX-Video, Cosmos):
 the sampler's log-probabilities re-scored by the trainer, a prompt's velocity independent of its
-batch, only the transformer training, and one driver iteration of the proxy and the real recipe.
-Each family's test module calls them with its own shapes and names; what is the family's own
-(conditioning, schedule, decode against diffusers) stays in that module."""
+batch, only the transformer training, and one driver iteration of the proxy and the real recipe;
+the modules' ``proxy_dir`` and ``model`` fixtures (:func:`proxy_fixtures`) and index-only copies
+(:func:`index_copy`); and what the core tests check of an engine alike for every pipeline family,
+SD3 included (re-scoring its batch, loading a trainer's export). Each family's test module calls
+them with its own shapes and names; what is the family's own (conditioning, schedule, decode
+against diffusers) stays in that module."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 import torch
 
+from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.deterministic import check_attention_backends
 from miles_diffusion.families import load_model
 from miles_diffusion.flow_grpo import FlowGRPOConfig
 from miles_diffusion.objectives import TrainerConfig
 from miles_diffusion.pipeline_model import PipelineFlowModel
 from miles_diffusion.sampler import SamplerConfig, Trajectory, sample, sample_seeded, step_log_prob
+from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.trainer import FlowGRPOTrainer
+
+if TYPE_CHECKING:
+    from miles_diffusion.engine.server import DiffusionEngine
+    from miles_diffusion.wire import TrajectoryBatch
+
+Model = TypeVar("Model", bound=PipelineFlowModel)
 
 RESCORED_PROMPTS = torch.tensor([2, 0, 2, 1])
 """The prompt ids the re-scoring check samples (a repeated one, so the engine's form reuses rows)."""
+
+
+def proxy_fixtures(
+    builtin: str, prompts: tuple[str, ...], model_type: type[Model]
+) -> tuple[Callable[[], Path], Callable[[Path], Model]]:
+    """A family test module's module-scoped fixtures, to bind to the names they serve under
+    (``proxy_dir, model = proxy_fixtures(...)``): ``proxy_dir``, the ``builtin`` proxy's directory,
+    and ``model``, the proxy loaded through the family registry with ``prompts`` (a ``model_type``)."""
+
+    @pytest.fixture(scope="module", name="proxy_dir")
+    def proxy_dir_fixture() -> Path:
+        return resolve_model_dir(builtin)
+
+    @pytest.fixture(scope="module", name="model")
+    def model_fixture(proxy_dir: Path) -> Model:
+        loaded = load_model(proxy_dir, prompts=prompts)
+        assert isinstance(loaded, model_type)
+        return loaded
+
+    return proxy_dir_fixture, model_fixture
+
+
+def index_copy(proxy_dir: Path, dest: Path, **changes: Any) -> Path:
+    """A new directory ``dest`` holding the proxy's ``model_index.json`` alone, with ``changes``:
+    enough for the family registry to pick (or refuse) a family by it."""
+    dest.mkdir()
+    index = json.loads((proxy_dir / "model_index.json").read_text())
+    (dest / "model_index.json").write_text(json.dumps({**index, **changes}))
+    return dest
 
 
 def check_log_probs_equal_the_trainers_rescoring(
@@ -118,3 +160,38 @@ def check_one_driver_iteration_of_each_recipe(
     assert f"recipe {family}_flow_grpo: evidence level not verified" in capsys.readouterr().out
     (line,) = (tmp_path / "real" / "metrics.jsonl").read_text().splitlines()
     assert {"reward/mean", "train/loss", "eval/reward_before", "eval/reward_after"} <= set(json.loads(line))
+
+
+def check_the_trainer_rescores_the_engines_batch(
+    trainer: DiffusionModel, batch: TrajectoryBatch, num_steps: int
+) -> None:
+    """The trainer's model re-scores every one of the engine's ``num_steps`` steps (noise level 0.7)
+    bit for bit and decodes the same images from the final latents."""
+    trajectory = batch.trajectory
+    with torch.no_grad():
+        for step in range(num_steps):
+            rescored = step_log_prob(trainer, trajectory, step, 0.7)[0]
+            assert torch.equal(rescored, trajectory.log_probs[:, step]), step
+        assert torch.equal(trainer.to_images(trajectory.latents[:, -1]), batch.images)
+    assert batch.sampler == SamplerConfig(num_steps, 0.7)
+
+
+def check_the_engine_loads_a_trainers_export(
+    engine: DiffusionEngine, trainer: DiffusionModel, proxy: Path, dest: Path
+) -> None:
+    """The fleet's catch-up of a restarted engine: ``/update_weights_from_disk`` of the trainer's
+    export (a whole pipeline directory, its weights moved first) loads its transformer at the given
+    version, equal to the trainer's bit for bit."""
+    from miles_diffusion.engine.server import UpdateFromDiskBody
+    from miles_diffusion.sd3 import export_pipeline
+
+    with torch.no_grad():
+        for parameter in trainer.parameters():
+            parameter.add_(0.01)
+    export = export_pipeline(trainer, proxy, dest)
+    answer = engine.update_from_disk(UpdateFromDiskBody(model_path=str(export), weight_version="7"))
+    assert answer["success"] and engine.weight_version == 7
+    engine_state, trained = engine.model.state_dict(), trainer.state_dict()
+    assert set(engine_state) == set(trained) and all(
+        torch.equal(engine_state[k], trained[k]) for k in trained
+    )

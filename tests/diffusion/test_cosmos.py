@@ -27,13 +27,14 @@ from miles_diffusion.cosmos import (
 from miles_diffusion.families import check_family_guidance, family_for, load_model
 from miles_diffusion.guidance import guided_velocity
 from miles_diffusion.sampler import SamplerConfig, sample
-from miles_diffusion.train import resolve_model_dir
 
 from ._family_checks import (
     check_a_prompts_velocity_ignores_its_batch,
     check_log_probs_equal_the_trainers_rescoring,
     check_one_driver_iteration_of_each_recipe,
     check_only_the_transformer_trains,
+    index_copy,
+    proxy_fixtures,
 )
 
 PROMPTS = ("a red cube on a table", "two cats", "punctuation & CAPS! (and a long tail of words)")
@@ -53,16 +54,7 @@ class PassThroughChecker:
         return video
 
 
-@pytest.fixture(scope="module")
-def proxy_dir() -> Path:
-    return resolve_model_dir("builtin:tiny-cosmos")
-
-
-@pytest.fixture(scope="module")
-def model(proxy_dir: Path) -> CosmosFlowModel:
-    loaded = load_model(proxy_dir, prompts=PROMPTS)
-    assert isinstance(loaded, CosmosFlowModel)
-    return loaded
+proxy_dir, model = proxy_fixtures("builtin:tiny-cosmos", PROMPTS, CosmosFlowModel)
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +64,6 @@ def pipe(proxy_dir: Path) -> Any:
     return Cosmos2TextToImagePipeline.from_pretrained(
         str(proxy_dir), safety_checker=PassThroughChecker(), dtype=torch.float32
     )
-
-
-def _index_copy(proxy_dir: Path, dest: Path, **changes: Any) -> Path:
-    dest.mkdir()
-    index = json.loads((proxy_dir / "model_index.json").read_text())
-    (dest / "model_index.json").write_text(json.dumps({**index, **changes}))
-    return dest
 
 
 def _pipeline_latents(pipe: Any, texts: list[str], noise: torch.Tensor, steps: int, **kw: Any) -> Any:
@@ -96,11 +81,11 @@ def _pipeline_latents(pipe: Any, texts: list[str], noise: torch.Tensor, steps: i
 
 def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None:
     assert family_for(proxy_dir).name == "cosmos"
-    world = _index_copy(proxy_dir, tmp_path / "world", _class_name="CosmosTextToWorldPipeline")
+    world = index_copy(proxy_dir, tmp_path / "world", _class_name="CosmosTextToWorldPipeline")
     with pytest.raises(ValueError) as err:
         family_for(world)
     assert "\n" not in str(err.value) and "cosmos (" in str(err.value)
-    other = _index_copy(proxy_dir, tmp_path / "umt5", text_encoder=["transformers", "UMT5EncoderModel"])
+    other = index_copy(proxy_dir, tmp_path / "umt5", text_encoder=["transformers", "UMT5EncoderModel"])
     with pytest.raises(ValueError, match=r"^[^\n]*the cosmos family loads T5EncoderModel"):
         load_model(other, prompts=PROMPTS)
     with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):

@@ -17,29 +17,21 @@ import torch
 from miles_diffusion.families import check_family_guidance, family_for, load_model
 from miles_diffusion.guidance import guided_velocity
 from miles_diffusion.ltx import LTXEncodings, LTXFlowModel, from_tokens, to_tokens
-from miles_diffusion.train import resolve_model_dir
 
 from ._family_checks import (
     check_a_prompts_velocity_ignores_its_batch,
     check_log_probs_equal_the_trainers_rescoring,
     check_one_driver_iteration_of_each_recipe,
     check_only_the_transformer_trains,
+    index_copy,
+    proxy_fixtures,
 )
 
 PROMPTS = ("a red cube on a table", "two cats", "waves & rocks at dusk, seen from a cliff!")
 SIZE = {"height": 32, "width": 32, "num_frames": 5, "max_sequence_length": 32}
 
 
-@pytest.fixture(scope="module")
-def proxy_dir() -> Path:
-    return resolve_model_dir("builtin:tiny-ltx")
-
-
-@pytest.fixture(scope="module")
-def model(proxy_dir: Path) -> LTXFlowModel:
-    loaded = load_model(proxy_dir, prompts=PROMPTS)
-    assert isinstance(loaded, LTXFlowModel)
-    return loaded
+proxy_dir, model = proxy_fixtures("builtin:tiny-ltx", PROMPTS, LTXFlowModel)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +41,6 @@ def pipe(proxy_dir: Path) -> Any:
     pipe = LTXPipeline.from_pretrained(str(proxy_dir), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def _copy(proxy_dir: Path, dest: Path, **changes: Any) -> Path:
-    dest.mkdir()
-    index = json.loads((proxy_dir / "model_index.json").read_text())
-    (dest / "model_index.json").write_text(json.dumps({**index, **changes}))
-    return dest
 
 
 def _ode(model: LTXFlowModel, noise: torch.Tensor, ids: list[int], steps: int, w: float) -> torch.Tensor:
@@ -71,7 +56,7 @@ def _ode(model: LTXFlowModel, noise: torch.Tensor, ids: list[int], steps: int, w
 
 def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None:
     assert family_for(proxy_dir).name == "ltx"
-    other = _copy(proxy_dir, tmp_path / "umt5", text_encoder=["transformers", "UMT5EncoderModel"])
+    other = index_copy(proxy_dir, tmp_path / "umt5", text_encoder=["transformers", "UMT5EncoderModel"])
     with pytest.raises(ValueError, match=r"^[^\n]*the ltx family loads T5EncoderModel \(transformers\)$"):
         load_model(other, prompts=PROMPTS)
     with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):

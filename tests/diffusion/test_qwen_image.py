@@ -7,7 +7,6 @@ driver runs both recipes."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +23,20 @@ from miles_diffusion.qwen_image import (
     pack_latents,
     unpack_latents,
 )
-from miles_diffusion.train import resolve_model_dir
 
 from ._family_checks import (
     check_a_prompts_velocity_ignores_its_batch,
     check_log_probs_equal_the_trainers_rescoring,
     check_one_driver_iteration_of_each_recipe,
     check_only_the_transformer_trains,
+    index_copy,
+    proxy_fixtures,
 )
 
 PROMPTS = ("a red cube on a table", "two cats", "Ünïcode, punctuation & CAPS! 日本語")
 
 
-@pytest.fixture(scope="module")
-def proxy_dir() -> Path:
-    return resolve_model_dir("builtin:tiny-qwen-image")
-
-
-@pytest.fixture(scope="module")
-def model(proxy_dir: Path) -> QwenImageFlowModel:
-    loaded = load_model(proxy_dir, prompts=PROMPTS)
-    assert isinstance(loaded, QwenImageFlowModel)
-    return loaded
+proxy_dir, model = proxy_fixtures("builtin:tiny-qwen-image", PROMPTS, QwenImageFlowModel)
 
 
 @pytest.fixture(scope="module")
@@ -55,20 +46,13 @@ def pipe(proxy_dir: Path) -> Any:
     return QwenImagePipeline.from_pretrained(str(proxy_dir), dtype=torch.float32)
 
 
-def _index_copy(proxy_dir: Path, dest: Path, **changes: Any) -> Path:
-    dest.mkdir()
-    index = json.loads((proxy_dir / "model_index.json").read_text())
-    (dest / "model_index.json").write_text(json.dumps({**index, **changes}))
-    return dest
-
-
 def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None:
     assert family_for(proxy_dir).name == "qwen-image"
-    flux = _index_copy(proxy_dir, tmp_path / "flux", _class_name="FluxPipeline")
+    flux = index_copy(proxy_dir, tmp_path / "flux", _class_name="FluxPipeline")
     with pytest.raises(ValueError) as err:
         family_for(flux)
     assert "\n" not in str(err.value) and "qwen-image (" in str(err.value)
-    other = _index_copy(proxy_dir, tmp_path / "t5", text_encoder=["transformers", "T5EncoderModel"])
+    other = index_copy(proxy_dir, tmp_path / "t5", text_encoder=["transformers", "T5EncoderModel"])
     with pytest.raises(ValueError, match=r"^[^\n]*the qwen-image family loads Qwen2_5_VLForConditional"):
         load_model(other, prompts=PROMPTS)
     with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):

@@ -6,7 +6,6 @@ transformer trains, the driver runs the proxy recipe, and the core path accepts 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,46 +14,31 @@ import torch
 
 from miles_diffusion.deterministic import check_attention_backends
 from miles_diffusion.families import family_for, load_model
-from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wan import WAN_MAX_LENGTH, WanEncodings, WanFlowModel, clean_prompt
 
 from ._family_checks import (
     check_log_probs_equal_the_trainers_rescoring,
     check_one_driver_iteration_of_each_recipe,
     check_only_the_transformer_trains,
+    index_copy,
+    proxy_fixtures,
 )
 
 PROMPTS = ("a red balloon over a city", "waves  at\tsunset &amp; dusk", "Ünïcode, punctuation & CAPS!")
 
 
-@pytest.fixture(scope="module")
-def proxy_dir() -> Path:
-    return resolve_model_dir("builtin:tiny-wan")
-
-
-@pytest.fixture(scope="module")
-def model(proxy_dir: Path) -> WanFlowModel:
-    loaded = load_model(proxy_dir, prompts=PROMPTS)
-    assert isinstance(loaded, WanFlowModel)
-    return loaded
-
-
-def _index_copy(proxy_dir: Path, dest: Path, **changes: Any) -> Path:
-    dest.mkdir()
-    index = json.loads((proxy_dir / "model_index.json").read_text())
-    (dest / "model_index.json").write_text(json.dumps({**index, **changes}))
-    return dest
+proxy_dir, model = proxy_fixtures("builtin:tiny-wan", PROMPTS, WanFlowModel)
 
 
 def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None:
     assert family_for(proxy_dir).name == "wan"
-    flux = _index_copy(proxy_dir, tmp_path / "flux", _class_name="FluxPipeline")
+    flux = index_copy(proxy_dir, tmp_path / "flux", _class_name="FluxPipeline")
     with pytest.raises(ValueError) as err:
         family_for(flux)
     message = str(err.value)
     assert "\n" not in message and "a diffusers FluxPipeline directory" in message
     assert "wan (" in message and "WanPipeline" in message and "sd3 (" in message
-    two = _index_copy(proxy_dir, tmp_path / "a14b", transformer_2=["diffusers", "WanTransformer3DModel"])
+    two = index_copy(proxy_dir, tmp_path / "a14b", transformer_2=["diffusers", "WanTransformer3DModel"])
     with pytest.raises(ValueError, match=r"two-expert Wan 2\.2 directory"):
         load_model(two, prompts=PROMPTS)
     with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):
