@@ -18,7 +18,6 @@ checkpoint redoes step 2 bit for bit. Regenerate one family's:
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -26,18 +25,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 
-from miles.cli import cli
-from miles_diffusion.engine.server import DiffusionEngine, GenerateBody, UpdateFromDiskBody
+from miles_diffusion.engine.server import DiffusionEngine, GenerateBody
 from miles_diffusion.families import load_model
 from miles_diffusion.payload import split
 from miles_diffusion.pipeline_model import PipelineFlowModel
-from miles_diffusion.sampler import SamplerConfig, step_log_prob
-from miles_diffusion.sd3 import export_pipeline
 from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wire import unpack
 
+from ._cli_runs import check_resume_redoes_the_steps, run_and_check_the_proxy, whole_run
+from ._family_checks import (
+    check_the_engine_loads_a_trainers_export,
+    check_the_trainer_rescores_the_engines_batch,
+)
 from ._standards import assert_matches_standard, write_standard
 from .test_cosmos import PassThroughChecker
 
@@ -46,19 +46,6 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 SAVE_EVERY = 2  # also the step --resume restarts from
 WHOLE = 40  # each recipe's own run.num_steps
-# What a resumed step must reproduce exactly (wall-clock times and process counters aside).
-REPEATED = (
-    "rollout/reward_mean",
-    "rollout/reward_std",
-    "advantages/mean_raw",
-    "train/loss",
-    "train/grad_norm",
-    "train/clip_fraction",
-    "train/approx_kl_old",
-    "train/rollout_log_prob_mean",
-    "train/logprob_mismatch_max",
-    "engine/weight_version",
-)
 
 
 @dataclass(frozen=True)
@@ -149,16 +136,6 @@ FAMILIES = {
 CASES = [pytest.param(f, id=f.name) for f in FAMILIES.values()]
 
 
-def _miles(*args: str) -> Result:
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exit_code == 0, result.output + (result.stderr if result.stderr_bytes is not None else "")
-    return result
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("family", CASES)
 def test_the_engine_serves_what_the_trainer_rescores_exactly(family: Family, tmp_path: Path) -> None:
     """The engine (in process) sends [B, S + 1, *latent] latents and [B, *image] images; the payloads
@@ -187,24 +164,8 @@ def test_the_engine_serves_what_the_trainer_rescores_exactly(family: Family, tmp
 
     trainer = load_model(proxy, prompts=family.texts)
     assert isinstance(trainer, PipelineFlowModel) and type(trainer) is type(engine.model)
-    trajectory = batch.trajectory
-    with torch.no_grad():
-        for step in range(3):
-            rescored = step_log_prob(trainer, trajectory, step, 0.7)[0]
-            assert torch.equal(rescored, trajectory.log_probs[:, step]), step
-        assert torch.equal(trainer.to_images(trajectory.latents[:, -1]), batch.images)
-    assert batch.sampler == SamplerConfig(3, 0.7)
-
-    with torch.no_grad():
-        for parameter in trainer.parameters():
-            parameter.add_(0.01)
-    export = export_pipeline(trainer, proxy, tmp_path / "export")
-    answer = engine.update_from_disk(UpdateFromDiskBody(model_path=str(export), weight_version="7"))
-    assert answer["success"] and engine.weight_version == 7
-    engine_state, trained = engine.model.state_dict(), trainer.state_dict()
-    assert set(engine_state) == set(trained) and all(
-        torch.equal(engine_state[k], trained[k]) for k in trained
-    )
+    check_the_trainer_rescores_the_engines_batch(trainer, batch, 3)
+    check_the_engine_loads_a_trainers_export(engine, trainer, proxy, tmp_path / "export")
 
 
 @pytest.mark.parametrize("family", CASES)
@@ -212,34 +173,9 @@ def test_miles_run_trains_resumes_and_exports_the_proxy(family: Family, tmp_path
     import diffusers
     from safetensors.torch import load_file
 
-    overrides = [
-        f"run.output_dir={tmp_path}",
-        f"run.num_steps={STEPS}",
-        f"run.save_every={SAVE_EVERY}",
-        "tracking.console=false",
-    ]
-    args = ["run", family.recipe, *(a for o in overrides for a in ("--set", o))]
-    result = _miles(*args)
-    assert f"recipe {family.recipe}: evidence level proxy gated" in result.stderr
-    run_dir = tmp_path / family.recipe
-    rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    assert [r["engine/weight_version"] for r in rows] == list(range(1, STEPS + 1))
-    low, high = family.rewards
-    assert all(r["train/trajectories"] == 16 and low < r["rollout/reward_mean"] < high for r in rows)
-    # Engine (groups of 4, texts from the request) and trainer (16 at once, texts from the recipe)
-    # agree exactly on the first denoising step's log-probability, before the step's update.
-    assert all(r["train/logprob_mismatch_max"] == 0.0 for r in rows)
-    assert len({r["rollout/reward_mean"] for r in rows}) == STEPS
-    assert len({r["train/loss"] for r in rows}) == STEPS
-    # Every registered metric equals the first 3 steps of the whole recipe's standard, bit for bit.
-    assert_matches_standard(family.cut_standard, rows)
-
-    # Checkpoints and updates carry the transformer alone.
-    checkpoint = run_dir / "checkpoints" / f"step_{SAVE_EVERY:06d}" / "trainer"
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["trainer_state.pt", "transformer"]
-    transformer_bytes = (checkpoint / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_size
-    assert all(abs(r["weight_sync/bytes"] - transformer_bytes) < 0.1 * transformer_bytes for r in rows)
+    args, run_dir, rows = run_and_check_the_proxy(
+        family.recipe, tmp_path, STEPS, SAVE_EVERY, family.rewards, family.cut_standard
+    )
 
     # The export is a whole diffusers directory with the trained transformer, loaded by the
     # family's own diffusers pipeline.
@@ -260,20 +196,7 @@ def test_miles_run_trains_resumes_and_exports_the_proxy(family: Family, tmp_path
     assert set(last) == set(trained) and all(torch.equal(last[k], t) for k, t in trained.items())
 
     # --resume from step 2's checkpoint redoes step 2 bit for bit.
-    (run_dir / "checkpoints" / "latest").write_text(f"step_{SAVE_EVERY:06d}")
-    _miles(*args, "--resume")
-    resumed = _rows(run_dir)
-    assert [r["step"] for r in resumed] == list(range(STEPS))
-    for before, after in zip(rows[SAVE_EVERY:], resumed[SAVE_EVERY:], strict=True):
-        assert {k: after[k] for k in REPEATED} == {k: before[k] for k in REPEATED}
-
-
-def whole_run(recipe: str, output_dir: Path) -> list[dict[str, float]]:
-    """The shipped recipe as it is (40 steps, its seeds, one torch thread); only where it writes and
-    the console differ, neither of which touches a number."""
-    overrides = [f"run.output_dir={output_dir}", "tracking.console=false"]
-    _miles("run", recipe, *(a for o in overrides for a in ("--set", o)))
-    return _rows(output_dir / recipe)
+    check_resume_redoes_the_steps(args, run_dir, rows, SAVE_EVERY)
 
 
 @pytest.mark.extended

@@ -14,18 +14,16 @@ machine bit for bit; say so in the commit): ``uv run python -m tests.diffusion.t
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
 
-from miles.cli import cli
 from miles.config import load_recipe
 from miles.loop import train
 
+from ._cli_runs import RESUMED_METRICS, metric_rows, miles
 from ._standards import assert_matches_standard, write_standard
 
 pytestmark = pytest.mark.slow
@@ -33,30 +31,6 @@ pytestmark = pytest.mark.slow
 STANDARD = "tiny_flow_grpo_core"  # tests/diffusion/standards/tiny_flow_grpo_core*.json
 STEPS = 25  # the recipe's own run.num_steps: the standard is of the whole recipe, not a proxy
 RESUME_FROM = 22  # a checkpoint at step 22 (save_every) and at the end: the resume redoes 22..24
-
-# What a resumed step must reproduce exactly (wall-clock times and process counters aside; the
-# buffer's running totals start again in a resumed process).
-REPEATED = (
-    "rollout/reward_mean",
-    "rollout/reward_std",
-    "advantages/mean_raw",
-    "train/loss",
-    "train/grad_norm",
-    "train/clip_fraction",
-    "train/approx_kl_old",
-    "train/rollout_log_prob_mean",
-    "engine/weight_version",
-)
-
-
-def _miles(*args: str) -> Result:
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exit_code == 0, result.output + (result.stderr if result.stderr_bytes is not None else "")
-    return result
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _recipe_args(output_dir: Path) -> list[str]:
@@ -76,9 +50,9 @@ class FullRun:
 
 def full_run_through_the_cli(output_dir: Path) -> FullRun:
     args = _recipe_args(output_dir)
-    result = _miles(*args)
+    result = miles(*args)
     run_dir = output_dir / "tiny_flow_grpo"
-    return FullRun(args, run_dir, _rows(run_dir), result.stderr)
+    return FullRun(args, run_dir, metric_rows(run_dir), result.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +79,11 @@ def test_every_metric_matches_the_committed_standard_bit_for_bit(full_run: FullR
 def test_resume_redoes_the_last_steps_exactly(full_run: FullRun) -> None:
     # The run stopped after step 22's checkpoint (the latest pointer names it): --resume redoes 22..24.
     (full_run.run_dir / "checkpoints" / "latest").write_text(f"step_{RESUME_FROM:06d}")
-    _miles(*full_run.args, "--resume")
-    resumed = _rows(full_run.run_dir)
+    miles(*full_run.args, "--resume")
+    resumed = metric_rows(full_run.run_dir)
     assert [r["step"] for r in resumed] == list(range(STEPS))
     for before, after in zip(full_run.rows[RESUME_FROM:], resumed[RESUME_FROM:], strict=True):
-        assert {k: after[k] for k in REPEATED} == {k: before[k] for k in REPEATED}
+        assert {k: after[k] for k in RESUMED_METRICS} == {k: before[k] for k in RESUMED_METRICS}
 
 
 def test_the_diffusion_nft_recipe_runs_through_the_core_loop(tmp_path: Path) -> None:
@@ -125,7 +99,7 @@ def test_the_diffusion_nft_recipe_runs_through_the_core_loop(tmp_path: Path) -> 
         ],
     )
     result = train(config)
-    rows = _rows(Path(result.run_dir))
+    rows = metric_rows(Path(result.run_dir))
     assert [r["engine/weight_version"] for r in rows] == [1, 2]
     assert all(0.0 <= r["train/optimality/mean"] <= 1.0 and r["train/positive_loss"] > 0 for r in rows)
 
@@ -144,8 +118,8 @@ def test_miles_run_with_the_pipelined_rollout(tmp_path: Path) -> None:
         "rollout.options.microgroup_size=2",
         "rollout.options.decode_workers=1",
     ]
-    _miles("run", "tiny_flow_grpo", *(a for o in overrides for a in ("--set", o)))
-    rows = _rows(tmp_path / "tiny_flow_grpo")
+    miles("run", "tiny_flow_grpo", *(a for o in overrides for a in ("--set", o)))
+    rows = metric_rows(tmp_path / "tiny_flow_grpo")
     assert [r["engine/weight_version"] for r in rows] == [1, 2, 3]
     assert all(r["train/trajectories"] == 16 and r["rollout/groups_kept"] == 4 for r in rows)
     assert all(0.0 < r["rollout/reward_mean"] < 1.0 for r in rows)

@@ -19,23 +19,24 @@ step 2's checkpoint redoing step 2 bit for bit.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 
-from miles.cli import cli
-from miles_diffusion.engine.server import DiffusionEngine, EngineRefusal, GenerateBody, UpdateFromDiskBody
+from miles_diffusion.engine.server import DiffusionEngine, EngineRefusal, GenerateBody
 from miles_diffusion.families import load_model
-from miles_diffusion.sampler import SamplerConfig, step_log_prob
-from miles_diffusion.sd3 import SD3FlowModel, export_pipeline
+from miles_diffusion.sd3 import SD3FlowModel
 from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.wire import FrameReader, unpack, unpack_frame
 
+from ._cli_runs import check_resume_redoes_the_steps, run_and_check_the_proxy, whole_run
+from ._family_checks import (
+    check_the_engine_loads_a_trainers_export,
+    check_the_trainer_rescores_the_engines_batch,
+)
 from ._standards import assert_matches_standard, write_standard
 
 pytestmark = pytest.mark.slow
@@ -52,29 +53,6 @@ TEXTS = (
     "a close-up of a cat sleeping in the sun",
     "an astronaut riding a horse on the moon",
 )
-# What a resumed step must reproduce exactly (wall-clock times and process counters aside).
-REPEATED = (
-    "rollout/reward_mean",
-    "rollout/reward_std",
-    "advantages/mean_raw",
-    "train/loss",
-    "train/grad_norm",
-    "train/clip_fraction",
-    "train/approx_kl_old",
-    "train/rollout_log_prob_mean",
-    "train/logprob_mismatch_max",
-    "engine/weight_version",
-)
-
-
-def _miles(*args: str) -> Result:
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exit_code == 0, result.output + (result.stderr if result.stderr_bytes is not None else "")
-    return result
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_engine_serves_texts_and_images_the_trainer_rescores_exactly(tmp_path: Path) -> None:
@@ -99,13 +77,8 @@ def test_the_engine_serves_texts_and_images_the_trainer_rescores_exactly(tmp_pat
     }
     trainer = load_model(proxy, prompts=TEXTS)
     assert isinstance(trainer, SD3FlowModel)
+    check_the_trainer_rescores_the_engines_batch(trainer, batch, 4)
     trajectory = batch.trajectory
-    with torch.no_grad():
-        for step in range(4):
-            rescored = step_log_prob(trainer, trajectory, step, 0.7)[0]
-            assert torch.equal(rescored, trajectory.log_probs[:, step]), step
-        assert torch.equal(trainer.to_images(trajectory.latents[:, -1]), batch.images)
-    assert batch.sampler == SamplerConfig(4, 0.7)
     # In microgroups of 2 (the same noise per seed) the forward passes round a few ulp apart.
     halves = unpack(engine.generate(body.model_copy(update={"microgroup_size": 2})))
     assert torch.allclose(halves.trajectory.log_probs, trajectory.log_probs, atol=1e-5, rtol=0)
@@ -122,16 +95,7 @@ def test_the_engine_serves_texts_and_images_the_trainer_rescores_exactly(tmp_pat
         assert torch.equal(frame.batch.images, halves.images[frame.offset : frame.offset + 2])
     # The fleet's catch-up of a restarted engine: /update_weights_from_disk of a trainer's export (a
     # whole pipeline directory) loads its transformer at the given version.
-    with torch.no_grad():
-        for parameter in trainer.parameters():
-            parameter.add_(0.01)
-    export = export_pipeline(trainer, proxy, tmp_path / "export")
-    answer = engine.update_from_disk(UpdateFromDiskBody(model_path=str(export), weight_version="7"))
-    assert answer["success"] and engine.weight_version == 7
-    engine_state, trained = engine.model.state_dict(), trainer.state_dict()
-    assert set(engine_state) == set(trained) and all(
-        torch.equal(engine_state[k], trained[k]) for k in trained
-    )
+    check_the_engine_loads_a_trainers_export(engine, trainer, proxy, tmp_path / "export")
     for bad, message in (
         ({"texts": None}, "prompted with text: give texts"),
         ({"texts": ["a", "b"]}, "2 texts for 4 prompts"),
@@ -145,34 +109,9 @@ def test_miles_run_trains_resumes_and_exports_the_sd3_proxy(tmp_path: Path) -> N
     from diffusers import StableDiffusion3Pipeline
     from safetensors.torch import load_file
 
-    overrides = [
-        f"run.output_dir={tmp_path}",
-        f"run.num_steps={STEPS}",
-        f"run.save_every={RESUME_FROM}",
-        "tracking.console=false",
-    ]
-    args = ["run", RECIPE, *(a for o in overrides for a in ("--set", o))]
-    result = _miles(*args)
-    assert f"recipe {RECIPE}: evidence level proxy gated" in result.stderr
-    run_dir = tmp_path / RECIPE
-    rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(STEPS))
-    assert [r["engine/weight_version"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["train/trajectories"] == 16 and 0.0 < r["rollout/reward_mean"] < 1.0 for r in rows)
-    # Engine (groups of 4, texts from the request) and trainer (16 at once, texts from the recipe)
-    # agree exactly on the first denoising step's log-probability, before the step's update.
-    assert all(r["train/logprob_mismatch_max"] == 0.0 for r in rows)
-    # The policy moved: rewards and losses differ from step to step.
-    assert len({r["rollout/reward_mean"] for r in rows}) == STEPS
-    assert len({r["train/loss"] for r in rows}) == STEPS
-    # Every registered metric equals the first 3 steps of the whole recipe's standard, bit for bit.
-    assert_matches_standard(CUT_STANDARD, rows)
-
-    # Checkpoints and updates carry the transformer alone.
-    checkpoint = run_dir / "checkpoints" / f"step_{RESUME_FROM:06d}" / "trainer"
-    assert sorted(p.name for p in checkpoint.iterdir()) == ["trainer_state.pt", "transformer"]
-    transformer_bytes = (checkpoint / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_size
-    assert all(abs(r["weight_sync/bytes"] - transformer_bytes) < 0.1 * transformer_bytes for r in rows)
+    args, run_dir, rows = run_and_check_the_proxy(
+        RECIPE, tmp_path, STEPS, RESUME_FROM, (0.0, 1.0), CUT_STANDARD
+    )
 
     # The export is a whole diffusers directory with the trained transformer.
     final = run_dir / "final"
@@ -188,12 +127,7 @@ def test_miles_run_trains_resumes_and_exports_the_sd3_proxy(tmp_path: Path) -> N
     assert all(torch.equal(pipe.vae.state_dict()[k], t) for k, t in vae.items())
 
     # --resume from step 2's checkpoint redoes step 2 bit for bit.
-    (run_dir / "checkpoints" / "latest").write_text(f"step_{RESUME_FROM:06d}")
-    _miles(*args, "--resume")
-    resumed = _rows(run_dir)
-    assert [r["step"] for r in resumed] == list(range(STEPS))
-    for before, after in zip(rows[RESUME_FROM:], resumed[RESUME_FROM:], strict=True):
-        assert {k: after[k] for k in REPEATED} == {k: before[k] for k in REPEATED}
+    check_resume_redoes_the_steps(args, run_dir, rows, RESUME_FROM)
 
 
 def test_the_real_model_recipe_passes_the_checks_on_the_proxy_directory() -> None:
@@ -212,17 +146,9 @@ def test_the_real_model_recipe_passes_the_checks_on_the_proxy_directory() -> Non
     assert len(config.rollout.options["prompts"]) == 8
 
 
-def whole_run(output_dir: Path) -> list[dict[str, float]]:
-    """The shipped recipe as it is (40 steps, its seeds, one torch thread); only where it writes and
-    the console differ, neither of which touches a number."""
-    overrides = [f"run.output_dir={output_dir}", "tracking.console=false"]
-    _miles("run", RECIPE, *(a for o in overrides for a in ("--set", o)))
-    return _rows(output_dir / RECIPE)
-
-
 @pytest.mark.extended
 def test_the_whole_recipe_matches_its_standard_bit_for_bit(tmp_path: Path) -> None:
-    rows = whole_run(tmp_path)
+    rows = whole_run(RECIPE, tmp_path)
     assert [r["step"] for r in rows] == list(range(WHOLE))
     assert [r["engine/weight_version"] for r in rows] == list(range(1, WHOLE + 1))
     assert rows[-1]["rollout/reward_mean"] > rows[0]["rollout/reward_mean"] + 0.01  # 0.5506 -> 0.5724
@@ -231,6 +157,6 @@ def test_the_whole_recipe_matches_its_standard_bit_for_bit(tmp_path: Path) -> No
 
 if __name__ == "__main__":  # regenerate the standards: uv run python -m tests.diffusion.test_core_sd3
     with tempfile.TemporaryDirectory() as out:
-        history = whole_run(Path(out))
+        history = whole_run(RECIPE, Path(out))
     print(f"wrote {write_standard(STANDARD, history)}")
     print(f"wrote {write_standard(CUT_STANDARD, history[:STEPS])}")

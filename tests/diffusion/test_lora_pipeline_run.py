@@ -7,36 +7,23 @@ merges as ``W_base + alpha/r * B A``: the fleet's catch-up of a restarted engine
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from miles.cli import cli
 from miles.config import load_recipe
 from miles.models.registry import resolve_model
 from miles_diffusion import lora as lora_mod
 from miles_diffusion.engine.server import DiffusionEngine, LoadLoraBody
 from miles_diffusion.families import load_model
 
+from ._cli_runs import LORA_RESUMED_METRICS, metric_rows, miles
+
 pytestmark = pytest.mark.slow
 
-# What a resumed step must reproduce exactly (wall-clock times and process counters aside).
-REPEATED = (
-    "rollout/reward_mean",
-    "rollout/reward_std",
-    "train/loss",
-    "train/grad_norm",
-    "train/clip_fraction",
-    "train/rollout_log_prob_mean",
-    "train/logprob_mismatch_max",
-    "weight_sync/bytes",
-    "engine/weight_version",
-)
 PIPELINE_CLASS = {
     "sd3_flow_grpo_proxy_lora": "StableDiffusion3Pipeline",
     "wan_flow_grpo_proxy_lora": "WanPipeline",
@@ -45,16 +32,6 @@ TRANSFORMER_CLASS = {
     "sd3_flow_grpo_proxy_lora": "SD3Transformer2DModel",
     "wan_flow_grpo_proxy_lora": "WanTransformer3DModel",
 }
-
-
-def _miles(*args: str) -> Any:
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module", params=sorted(TRANSFORMER_CLASS))
@@ -66,7 +43,7 @@ def lora_run(
     out = tmp_path_factory.mktemp(recipe)
     overrides = [f"run.output_dir={out}", "run.num_steps=2", "run.save_every=1", "tracking.console=false"]
     args = ["run", recipe, *(a for o in overrides for a in ("--set", o))]
-    return recipe, args, out / recipe, _miles(*args)
+    return recipe, args, out / recipe, miles(*args)
 
 
 def _transformer(recipe: str, path: str) -> torch.nn.Module:
@@ -82,7 +59,7 @@ def test_a_pipeline_lora_run_sends_only_the_adapter_and_exports_a_peft_adapter(
 ) -> None:
     recipe, _, run_dir, result = lora_run
     assert f"recipe {recipe}: evidence level" in result.stderr
-    rows = _rows(run_dir)
+    rows = metric_rows(run_dir)
     assert [r["engine/weight_version"] for r in rows] == [1, 2]
     # The engine-trainer gap: 0 at step 0 (B = 0: the base exactly on both sides); later the engine
     # samples with the merged W + s B A and the trainer computes W x + s B (A x), which round apart
@@ -160,9 +137,9 @@ def test_a_pipeline_lora_run_resumes_its_adapter_exactly(lora_run: tuple[str, li
     """From step 1's checkpoint: the fresh engine gets the checkpoint's adapter before it generates,
     and step 1 is redone bit for bit."""
     _, args, run_dir, _ = lora_run
-    before = _rows(run_dir)
+    before = metric_rows(run_dir)
     (run_dir / "checkpoints" / "latest").write_text("step_000001")
-    _miles(*args, "--resume")
-    after = _rows(run_dir)
+    miles(*args, "--resume")
+    after = metric_rows(run_dir)
     assert [r["step"] for r in after] == [0, 1]
-    assert {k: after[1][k] for k in REPEATED} == {k: before[1][k] for k in REPEATED}
+    assert {k: after[1][k] for k in LORA_RESUMED_METRICS} == {k: before[1][k] for k in LORA_RESUMED_METRICS}

@@ -4,46 +4,21 @@ weight update exactly the adapter's bytes, merged by the engine on arrival, the 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from miles.cli import cli
 from miles.config import load_recipe
 from miles.models.registry import resolve_model
 from miles_diffusion import lora as lora_mod
 from miles_diffusion.model import load_pretrained
 
+from ._cli_runs import LORA_RESUMED_METRICS, metric_rows, miles
+
 pytestmark = pytest.mark.slow
-
-
-# What a resumed step must reproduce exactly (wall-clock times and process counters aside).
-REPEATED = (
-    "rollout/reward_mean",
-    "rollout/reward_std",
-    "train/loss",
-    "train/grad_norm",
-    "train/clip_fraction",
-    "train/rollout_log_prob_mean",
-    "train/logprob_mismatch_max",
-    "weight_sync/bytes",
-    "engine/weight_version",
-)
-
-
-def _miles(*args: str) -> Any:
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +34,13 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path,
         "diffusion.torch_threads=1",
     ]
     args = ["run", "tiny_flow_grpo_lora", *(a for o in overrides for a in ("--set", o))]
-    return args, out / "tiny_flow_grpo_lora", _miles(*args)
+    return args, out / "tiny_flow_grpo_lora", miles(*args)
 
 
 def test_a_lora_flow_grpo_run_sends_only_the_adapter(lora_run: tuple[list[str], Path, Any]) -> None:
     _, run_dir, result = lora_run
     assert "recipe tiny_flow_grpo_lora: evidence level" in result.stderr
-    rows = _rows(run_dir)
+    rows = metric_rows(run_dir)
     assert [r["engine/weight_version"] for r in rows] == [1, 2]
 
     # The adapter's size, from the recipe's lora section on the base, independently of the run.
@@ -104,12 +79,12 @@ def test_a_lora_run_resumes_its_adapter_exactly(lora_run: tuple[list[str], Path,
     """From step 1's checkpoint: the engine restarts with the initial adapter, the checkpoint's adapter
     is sent and merged before it generates, and step 1 is redone bit for bit."""
     args, run_dir, _ = lora_run
-    before = _rows(run_dir)
+    before = metric_rows(run_dir)
     assert (
         run_dir / "checkpoints" / "step_000001" / "trainer" / "adapter" / "adapter_model.safetensors"
     ).is_file()
     (run_dir / "checkpoints" / "latest").write_text("step_000001")
-    _miles(*args, "--resume")
-    after = _rows(run_dir)
+    miles(*args, "--resume")
+    after = metric_rows(run_dir)
     assert [r["step"] for r in after] == [0, 1]
-    assert {k: after[1][k] for k in REPEATED} == {k: before[1][k] for k in REPEATED}
+    assert {k: after[1][k] for k in LORA_RESUMED_METRICS} == {k: before[1][k] for k in LORA_RESUMED_METRICS}
