@@ -87,15 +87,40 @@ def test_two_fsdp_ranks_train_the_one_process_step_through_miles_run(tmp_path: P
         assert abs(resumed[1][key] - rows2[1][key]) <= 1e-6, key
 
 
+TINY, WAN = "tiny_flow_grpo", "wan_flow_grpo_proxy"
+
+
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("recipe", "overrides", "message"),
     [
-        (["diffusion.fsdp_ranks=3"], "does not divide the step's 16 trajectories"),
-        (["diffusion.fsdp_ranks=2", "lora.rank=4"], "LoRA trains in one process"),
+        (TINY, ["diffusion.fsdp_ranks=3"], "does not divide the step's 16 trajectories"),
+        (TINY, ["diffusion.fsdp_ranks=2", "lora.rank=4"], "LoRA trains in one process"),
+        (
+            TINY,
+            ["diffusion.fsdp_ranks=2", "diffusion.sequence_parallel=3"],
+            "sequence_parallel 3 does not divide",
+        ),
+        (
+            TINY,
+            ["diffusion.fsdp_ranks=2", "diffusion.sequence_parallel=2"],
+            "tiny-flow-unet family has no sequence",
+        ),
+        (
+            WAN,
+            ["diffusion.fsdp_ranks=4", "diffusion.sequence_parallel=4"],
+            "2 attention heads do not split evenly",
+        ),
+        (
+            WAN,
+            ["diffusion.fsdp_ranks=6", "diffusion.sequence_parallel=2"],
+            "fsdp_ranks 6 / sequence_parallel 2 = 3 data-parallel groups does not divide",
+        ),
     ],
 )
-def test_what_fsdp_ranks_cannot_train_is_refused_in_one_line(overrides: list[str], message: str) -> None:
-    config = load_recipe("tiny_flow_grpo", overrides)
+def test_what_fsdp_ranks_cannot_train_is_refused_in_one_line(
+    recipe: str, overrides: list[str], message: str
+) -> None:
+    config = load_recipe(recipe, overrides)
     with pytest.raises(ConfigError, match=message) as info:
         check_recipe(config)
     assert "\n" not in str(info.value)
@@ -113,13 +138,23 @@ def _standard_first_step(name: str) -> dict[str, float]:
     return first
 
 
-@pytest.mark.parametrize("recipe", ["sd3_flow_grpo_proxy", "wan_flow_grpo_proxy"])
-def test_two_fsdp_ranks_train_a_pipeline_family_through_miles_run(tmp_path: Path, recipe: str) -> None:
-    """A pipeline family's transformer sharded over two ranks: the first step equals the one-process
-    run's committed standard within 1e-5, and the export is a whole pipeline directory."""
+@pytest.mark.parametrize(
+    ("recipe", "more"),
+    [
+        ("sd3_flow_grpo_proxy", []),
+        # the two ranks are one sequence-parallel group: each re-scores half of Wan's video tokens
+        ("wan_flow_grpo_proxy", ["--set", "diffusion.sequence_parallel=2"]),
+    ],
+)
+def test_two_fsdp_ranks_train_a_pipeline_family_through_miles_run(
+    tmp_path: Path, recipe: str, more: list[str]
+) -> None:
+    """A pipeline family's transformer sharded over two ranks (Wan's as one sequence-parallel group):
+    the first step equals the one-process run's committed standard within 1e-5, the engine-trainer
+    log-prob gap stays within 1e-5, and the export is a whole pipeline directory."""
     args = _args(tmp_path, 2)
     args[1] = recipe
-    _miles(*args)
+    _miles(*args, *more)
     run_dir = tmp_path / recipe
     rows = _rows(run_dir)
     assert [r["engine/weight_version"] for r in rows] == [1.0, 2.0]

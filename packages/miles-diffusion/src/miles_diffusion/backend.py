@@ -126,6 +126,7 @@ class DiffusionBackend:
         self._base_digest = ""
         self._lora_prefix = ""  # the adapter root's path in the model (``transformer.`` for a pipeline)
         self._run_dir = ""
+        self._sequence_parallel = 1  # diffusion.sequence_parallel: ranks per group sharing trajectories
 
     # ------------------------------------------------------------------ setup
 
@@ -134,6 +135,7 @@ class DiffusionBackend:
         if section.fsdp_ranks > 1 and self._place is None:
             self._start_ranks(spec, section.fsdp_ranks)
             return
+        self._sequence_parallel = section.sequence_parallel
         train = TrainSection(**spec.options["train"])
         if spec.correction is not None:
             raise ConfigError(f"{WHO} applies no token correction; set algorithm.correction: null")
@@ -256,7 +258,7 @@ class DiffusionBackend:
                 f"{WHO}: diffusion.fsdp_ranks > 1 trains flow_grpo on full weights only (not LoRA, "
                 "diffusion_nft or sft)"
             )
-        data_parallel(objective)
+        data_parallel(objective, sequence_parallel=self._sequence_parallel)
 
     def _serve_adapter(self, transport: Transport) -> None:
         """LoRA: the engines merge the initial adapter (B = 0: the base, unchanged) and learn its shape.

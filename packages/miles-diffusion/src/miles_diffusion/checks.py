@@ -193,7 +193,14 @@ def _refuse_unwired(config: Any) -> None:
 
 def _check_fsdp_ranks(config: Any) -> None:
     """``diffusion.fsdp_ranks`` above 1 trains Flow-GRPO's full weights data-parallel; the rest is refused."""
-    ranks = int(getattr(getattr(config, "diffusion", None), "fsdp_ranks", 1))
+    section = getattr(config, "diffusion", None)
+    ranks = int(getattr(section, "fsdp_ranks", 1))
+    degree = int(getattr(section, "sequence_parallel", 1))
+    if ranks % degree:
+        raise ConfigError(
+            f"diffusion.sequence_parallel {degree} does not divide diffusion.fsdp_ranks {ranks}: the ranks "
+            "form groups of sequence_parallel that share trajectories"
+        )
     if ranks == 1:
         return
     loss = load_component("loss", config.algorithm.loss) if config.algorithm.loss else None
@@ -208,11 +215,21 @@ def _check_fsdp_ranks(config: Any) -> None:
             f"diffusion.fsdp_ranks {ranks}: LoRA trains in one process; set diffusion.fsdp_ranks: 1"
         )
     batch = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt
-    if batch % ranks:
+    groups = ranks // degree
+    if batch % groups:
+        per = f" / sequence_parallel {degree} = {groups} data-parallel groups" if degree > 1 else ""
         raise ConfigError(
-            f"diffusion.fsdp_ranks {ranks} does not divide the step's {batch} trajectories "
+            f"diffusion.fsdp_ranks {ranks}{per} does not divide the step's {batch} trajectories "
             "(rollout.prompts_per_step x n_samples_per_prompt); pick a divisor"
         )
+    if degree > 1:
+        from miles.models.registry import resolve_model
+        from miles_diffusion.sequence_parallel import check_sequence_parallel
+
+        try:
+            check_sequence_parallel(resolve_model(config.model.path), degree)
+        except ValueError as exc:
+            raise ConfigError(f"diffusion.{exc}") from None
 
 
 def _refuse_token_settings(config: Any) -> None:

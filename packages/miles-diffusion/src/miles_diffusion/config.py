@@ -36,3 +36,9 @@ class DiffusionSection(BaseModel):
         description="flow_grpo: local FSDP2 data-parallel ranks (gloo, CPU), each re-scoring its share of "
         "the step's trajectories; 1: one process, no sharding",
     )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="flow_grpo with fsdp_ranks: groups of this many ranks re-score the same trajectories, "
+        "each on a share of the video tokens (Ulysses attention; the wan family); must divide fsdp_ranks",
+    )

@@ -26,9 +26,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.precision import PrecisionConfig
+
+if TYPE_CHECKING:
+    from miles_diffusion.sequence_parallel import SequenceSplit
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class ModelFamily:
     unconditional: bool = False
     """Whether the family has an unconditional branch for classifier-free guidance (its models'
     ``has_unconditional``): known from the directory, so a guidance scale is judged before loading."""
+    sequence_split: Callable[[Path], SequenceSplit] | None = None
+    """What a sequence-parallel forward of the directory's transformer splits, from its config files
+    (:mod:`miles_diffusion.sequence_parallel`); None: the family has no sequence parallelism."""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -127,6 +134,12 @@ def _load_cosmos(path: Path, precision: PrecisionConfig | None, prompts: tuple[s
     return load_cosmos(path, precision, prompts)
 
 
+def _wan_split(path: Path) -> SequenceSplit:
+    from miles_diffusion.sequence_parallel import wan_sequence_split
+
+    return wan_sequence_split(path)
+
+
 def _detect_cosmos(path: Path) -> bool:
     from miles_diffusion.cosmos import is_cosmos_directory
 
@@ -160,6 +173,7 @@ register_family(
         _load_wan,
         text_prompts=True,
         unconditional=True,
+        sequence_split=_wan_split,
     )
 )
 register_family(

@@ -17,12 +17,16 @@ float32 policy of its own, so its parameters are gathered in float32 as well.
 
 :func:`data_parallel` makes a :class:`~miles_diffusion.trainer.FlowGRPOTrainer` run data-parallel: the
 model sharded, the optimizer rebuilt over the sharded parameters, and each rank re-scoring its share
-of the trajectories (the same seeded subset of steps on every rank). Tested on CPU over gloo only.
+of the trajectories (the same seeded subset of steps on every rank). With ``sequence_parallel`` S above
+1 the ranks form groups of S neighbours that re-score the same rows, each on 1/S of the token sequence
+(:mod:`miles_diffusion.sequence_parallel`); the data-parallel share is then per group. Tested on CPU
+over gloo only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,10 +50,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DataParallel:
-    """This rank's place in the data-parallel group: it trains rows ``rows(batch)`` of a batch."""
+    """This rank's place in the data-parallel group: it trains rows ``rows(batch)`` of a batch.
+
+    With sequence parallelism, ``rank`` and ``world_size`` are the data-parallel ones (of the groups
+    of ``sequence_parallel`` ranks that share rows), and ``group`` the process group of the ranks
+    holding the same place in each group: one member per set of rows, over which statistics sum."""
 
     rank: int
     world_size: int
+    sequence_parallel: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -72,7 +82,7 @@ class DataParallel:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """The sum over ranks of each value (float64, one collective)."""
         tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return [float(v) for v in tensor]
 
 
@@ -134,11 +144,15 @@ def shard_model(
     return model
 
 
-def data_parallel(trainer: object, precision: PrecisionConfig | None = None) -> DataParallel:
+def data_parallel(
+    trainer: object, precision: PrecisionConfig | None = None, sequence_parallel: int = 1
+) -> DataParallel:
     """Make ``trainer`` (a :class:`~miles_diffusion.trainer.FlowGRPOTrainer`, built on the whole model)
     train data-parallel over the default process group: its model sharded (:func:`shard_model`), its
-    optimizer rebuilt over the sharded parameters, its steps split by rows. A frozen reference model
-    (``kl_coef > 0``) was copied whole before sharding and stays so. Returns this rank's place."""
+    optimizer rebuilt over the sharded parameters, its steps split by rows. ``sequence_parallel`` S
+    above 1: groups of S neighbouring ranks share rows and split the token sequence (its transformer's
+    forward parallelised first). A frozen reference model (``kl_coef > 0``) was copied whole before
+    sharding and stays so. Returns this rank's place."""
     from miles_diffusion.trainer import FlowGRPOTrainer, make_optimizer
 
     if not isinstance(trainer, FlowGRPOTrainer):
@@ -146,7 +160,24 @@ def data_parallel(trainer: object, precision: PrecisionConfig | None = None) -> 
     if not dist.is_initialized():
         raise RuntimeError("data_parallel needs an initialised process group (torch.distributed)")
     place = DataParallel.current()
+    if sequence_parallel > 1:
+        place = _sequence_groups(trainer.model, sequence_parallel)
     shard_model(trainer.model, precision)
     trainer.optimizer = make_optimizer(trainer.model, trainer.config)
     trainer.data_parallel = place
     return place
+
+
+def _sequence_groups(model: DiffusionModel, degree: int) -> DataParallel:
+    """Groups of ``degree`` neighbouring ranks (ranks ``g*degree .. g*degree+degree-1``) split the
+    denoiser's sequence; returns this rank's data-parallel place (its group's index)."""
+    from miles_diffusion.sequence_parallel import apply_sequence_parallel
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % degree:
+        raise ValueError(f"sequence_parallel {degree} does not divide the {world} ranks")
+    device = "cpu" if dist.get_backend() == "gloo" else "cuda"
+    # diffusers reads the sequence-parallel dimensions by these names (ring of size 1: Ulysses only)
+    mesh = init_device_mesh(device, (world // degree, 1, degree), mesh_dim_names=("dp", "ring", "ulysses"))
+    apply_sequence_parallel(trainable_module(model), mesh["ring", "ulysses"])
+    return DataParallel(rank // degree, world // degree, degree, mesh["dp"].get_group())

@@ -44,11 +44,20 @@ class TrainerConfig:
     """The package driver only (``python -m miles_diffusion.train``): with more than 1, the driver runs
     that many local CPU ranks over gloo and Flow-GRPO trains data-parallel on FSDP2
     (:mod:`miles_diffusion.fsdp`); 1 is the plain one-process trainer."""
+    sequence_parallel: int = 1
+    """The package driver's FSDP2 ranks in groups of this many that re-score the same trajectories, each
+    on a share of the token sequence (:mod:`miles_diffusion.sequence_parallel`); must divide
+    ``fsdp_ranks``. 1: no sequence parallelism."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
         if self.fsdp_ranks < 1:
             raise ValueError(f"trainer.fsdp_ranks must be at least 1, got {self.fsdp_ranks}")
+        if self.sequence_parallel < 1 or self.fsdp_ranks % self.sequence_parallel:
+            raise ValueError(
+                f"trainer.sequence_parallel {self.sequence_parallel} must be at least 1 and divide "
+                f"trainer.fsdp_ranks {self.fsdp_ranks}"
+            )
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,11 @@ class DiffusionRecipe:
             check_unconditional("the tiny UNet (model: a shape)", False, self.sampler.guidance_scale)
         if self.lora is not None and self.trainer.fsdp_ranks > 1:
             raise ValueError("lora: the driver trains an adapter on one rank only (trainer.fsdp_ranks: 1)")
+        if self.trainer.sequence_parallel > 1 and isinstance(self.model, TinyFlowModelConfig):
+            raise ValueError(
+                "trainer.sequence_parallel: the tiny UNet has no token sequence to split; "
+                "sequence parallelism is for a model directory's transformer (wan)"
+            )
         if self.trainer.fsdp_ranks > 1 and self.objective.name != FlowGRPOConfig.name:
             raise ValueError(
                 f"trainer.fsdp_ranks: FSDP2 data-parallel training is for flow_grpo only so far, "

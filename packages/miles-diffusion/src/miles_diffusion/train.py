@@ -111,6 +111,11 @@ def run(
     :func:`_run_ranks`.
     """
     if recipe.trainer.fsdp_ranks > 1:
+        if recipe.trainer.sequence_parallel > 1:  # judged from the directory, before any rank starts
+            from miles_diffusion.sequence_parallel import check_sequence_parallel
+
+            assert isinstance(recipe.model, str)  # the recipe refused the tiny UNet's shape
+            check_sequence_parallel(resolve_model_dir(recipe.model), recipe.trainer.sequence_parallel)
         return _run_ranks(recipe, out_dir, on_metrics)
     mode = deterministic_mode(recipe.seed) if recipe.deterministic else contextlib.nullcontext()
     with mode:
@@ -217,7 +222,7 @@ def _run(
     if recipe.trainer.fsdp_ranks > 1:
         from miles_diffusion.fsdp import data_parallel
 
-        data_parallel(objective, recipe.precision)
+        data_parallel(objective, recipe.precision, recipe.trainer.sequence_parallel)
     dataset: ImageDataset | None = None
     if isinstance(objective, SupervisedObjective):
         if recipe.dataset is None:
