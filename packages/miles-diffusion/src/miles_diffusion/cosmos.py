@@ -65,12 +65,13 @@ from miles_diffusion.pipeline_parts import (
     decode_wan_latents,
     is_pipeline_directory,
     load_text_pipeline,
+    seeded_weights,
+    start_char_t5_proxy,
     tiny_t5_settings,
     tiny_wan_vae,
     write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig
-from miles_diffusion.sd3 import write_char_t5_tokenizer
 
 PIPELINE_CLASSES = ("Cosmos2TextToImagePipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -250,11 +251,8 @@ def build_tiny_cosmos(dest: Path, seed: int, config: TinyCosmosConfig | None = N
     from transformers import T5Config, T5EncoderModel
 
     c = config or TinyCosmosConfig()
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_char_t5_tokenizer(dest / "tokenizer")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    dest, tokenizer = start_char_t5_proxy(dest)
+    with seeded_weights(seed):
         vae = tiny_wan_vae(
             AutoencoderKLWan,
             c.vae_base_dim,

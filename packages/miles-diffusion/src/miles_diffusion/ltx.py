@@ -66,12 +66,13 @@ from miles_diffusion.pipeline_parts import (
     filmstrip,
     is_pipeline_directory,
     load_text_pipeline,
+    seeded_weights,
+    start_char_t5_proxy,
     tiny_t5_settings,
     write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.qwen_image import shifted_schedule
-from miles_diffusion.sd3 import write_char_t5_tokenizer
 
 PIPELINE_CLASSES = ("LTXPipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -290,11 +291,8 @@ def build_tiny_ltx(dest: Path, seed: int, config: TinyLTXConfig | None = None) -
     from transformers import T5Config, T5EncoderModel
 
     c = config or TinyLTXConfig()
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_char_t5_tokenizer(dest / "tokenizer")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    dest, tokenizer = start_char_t5_proxy(dest)
+    with seeded_weights(seed):
         vae = AutoencoderKLLTXVideo(
             latent_channels=c.latent_channels,
             block_out_channels=(8, 16),

@@ -8,7 +8,8 @@ encoder call, latent layout, transformer call, schedule, decode and refusals):
 - the loader's common steps (:func:`is_pipeline_directory`, :func:`check_components`,
   :func:`read_sizes`, :func:`load_scheduler`, :func:`load_text_parts`), and
   :func:`load_text_pipeline`, all of them in the order the one-encoder families read a directory;
-- the proxy builders' common steps (:func:`tiny_t5_settings`, :func:`tiny_wan_vae`,
+- the proxy builders' common steps (:func:`start_char_t5_proxy`, :func:`seeded_weights`,
+  :func:`tiny_t5_settings`, :func:`tiny_wan_vae`,
   :func:`save_parts`, :func:`write_model_index`, :func:`write_json`, :func:`write_proxy_files`);
 - :func:`decode_wan_latents`, the decode of the Wan-style VAE (Wan, Qwen-Image, Cosmos);
 - :func:`filmstrip`, how a video family's videos reach the image rewards.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, cast
@@ -203,6 +206,26 @@ def load_text_pipeline(
 # ----------------------------------------------------------------------------- the proxies
 
 
+def start_char_t5_proxy(dest: Path) -> tuple[Path, Any]:
+    """A new proxy directory ``dest`` holding the character-level T5 tokenizer the Wan, LTX-Video and
+    Cosmos proxies read their prompts with (:func:`~miles_diffusion.sd3.write_char_t5_tokenizer`):
+    the directory and the tokenizer."""
+    from miles_diffusion.sd3 import write_char_t5_tokenizer
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    return dest, write_char_t5_tokenizer(dest / "tokenizer")
+
+
+@contextmanager
+def seeded_weights(seed: int) -> Iterator[None]:
+    """Random initial weights drawn under it come from ``seed`` alone, under a forked RNG: a proxy
+    is the same whatever ran before it is built, and its builder leaves the caller's RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
 def tiny_t5_settings(tokenizer: Any, text_dim: int, num_layers: int) -> dict[str, Any]:
     """The proxies' toy (UM)T5 encoder settings: width ``text_dim``, 2 heads of 8, FFN twice the width,
     over the character-level tokenizer (:func:`~miles_diffusion.sd3.write_char_t5_tokenizer`)."""
@@ -229,16 +252,26 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def tiny_wan_vae(vae_class: Any, base_dim: int, z_dim: int, **settings: Any) -> Any:
+def tiny_wan_vae(
+    vae_class: Any,
+    base_dim: int,
+    z_dim: int,
+    latents_mean: list[float] | None = None,
+    latents_std: list[float] | None = None,
+    **settings: Any,
+) -> Any:
     """The proxies' toy Wan-style VAE (``AutoencoderKLWan`` or Qwen-Image's copy of it): base width
     ``base_dim``, 3 stages of widths (1, 2, 2) with one residual block each, one temporal downsample
-    (4x spatial compression); ``settings`` add the latent statistics and the rest."""
+    (4x spatial compression); per-channel latent statistics ``latents_mean`` / ``latents_std``
+    (plain ones, 0 and 1, unless given); ``settings`` add the rest."""
     return vae_class(
         base_dim=base_dim,
         z_dim=z_dim,
         dim_mult=[1, 2, 2],
         num_res_blocks=1,
         temperal_downsample=[False, True],
+        latents_mean=[0.0] * z_dim if latents_mean is None else latents_mean,
+        latents_std=[1.0] * z_dim if latents_std is None else latents_std,
         **settings,
     )
 

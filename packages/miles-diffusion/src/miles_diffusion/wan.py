@@ -60,12 +60,13 @@ from miles_diffusion.pipeline_parts import (
     load_text_parts,
     read_model_index,
     read_sizes,
+    seeded_weights,
+    start_char_t5_proxy,
     tiny_t5_settings,
     tiny_wan_vae,
     write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig
-from miles_diffusion.sd3 import write_char_t5_tokenizer
 
 PIPELINE_CLASSES = ("WanPipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -256,19 +257,10 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
     from transformers import UMT5Config, UMT5EncoderModel
 
     c = config or TinyWanConfig()
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_char_t5_tokenizer(dest / "tokenizer")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    dest, tokenizer = start_char_t5_proxy(dest)
+    with seeded_weights(seed):
         vae = tiny_wan_vae(
-            AutoencoderKLWan,
-            c.vae_base_dim,
-            c.z_dim,
-            latents_mean=[0.0] * c.z_dim,
-            latents_std=[1.0] * c.z_dim,
-            scale_factor_temporal=2,
-            scale_factor_spatial=4,
+            AutoencoderKLWan, c.vae_base_dim, c.z_dim, scale_factor_temporal=2, scale_factor_spatial=4
         )
         transformer = WanTransformer3DModel(
             patch_size=(1, 2, 2),
