@@ -14,7 +14,6 @@ machine bit for bit; say so in the commit): ``uv run python -m tests.diffusion.t
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from dataclasses import dataclass
@@ -22,9 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
 
-from miles.cli import cli
 from miles.config import load_recipe
 from miles.driver.preflight import close_components, preflight
 from miles.errors import ConfigError, MilesError
@@ -34,21 +31,12 @@ from miles_diffusion.image_data import ColouredShapesSource, ImagePayload
 from miles_diffusion.model import load_pretrained
 from miles_diffusion.sft import evaluation_loss
 
+from ._cli_runs import metric_rows, miles
 from ._standards import assert_matches_standard, repeatable, write_standard
 
 STANDARD = "tiny_sft_core"  # tests/diffusion/standards/tiny_sft_core*.json
 STEPS = 40  # the recipe's own run.num_steps: the standard is of the whole recipe
 RESUME_FROM = 30  # the recipe checkpoints every 10 steps and keeps two: 30 and 40
-
-
-def _miles(*args: str) -> Result:
-    result = CliRunner().invoke(cli, list(args))
-    assert result.exit_code == 0, result.output + (result.stderr if result.stderr_bytes is not None else "")
-    return result
-
-
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @dataclass(frozen=True)
@@ -62,9 +50,9 @@ class FullRun:
 def full_run_through_the_cli(output_dir: Path) -> FullRun:
     """The shipped recipe as it is; only where it writes and the console differ (no number changes)."""
     args = ["run", "tiny_sft", "--set", f"run.output_dir={output_dir}", "--set", "tracking.console=false"]
-    result = _miles(*args)
+    result = miles(*args)
     run_dir = output_dir / "tiny_sft"
-    return FullRun(args, run_dir, _rows(run_dir), result.stderr)
+    return FullRun(args, run_dir, metric_rows(run_dir), result.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +86,8 @@ def test_every_metric_matches_the_committed_standard_bit_for_bit(full_run: FullR
 @pytest.mark.slow
 def test_resume_redoes_the_last_steps_exactly(full_run: FullRun) -> None:
     (full_run.run_dir / "checkpoints" / "latest").write_text(f"step_{RESUME_FROM:06d}")
-    _miles(*full_run.args, "--resume")
-    resumed = _rows(full_run.run_dir)
+    miles(*full_run.args, "--resume")
+    resumed = metric_rows(full_run.run_dir)
     assert [r["step"] for r in resumed] == list(range(STEPS))
     assert repeatable(resumed[RESUME_FROM:]) == repeatable(full_run.rows[RESUME_FROM:])
 
@@ -159,7 +147,7 @@ def test_images_of_another_size_than_the_model_are_refused_before_the_first_step
         ConfigError, match=re.escape("images are (3, 8, 8) (channels, height, width), the model takes")
     ):
         train(config)
-    assert not (tmp_path / "tiny_sft" / "metrics.jsonl").exists() or not _rows(tmp_path / "tiny_sft")
+    assert not (tmp_path / "tiny_sft" / "metrics.jsonl").exists() or not metric_rows(tmp_path / "tiny_sft")
 
 
 if __name__ == "__main__":  # regenerate the standard: uv run python -m tests.diffusion.test_core_sft
