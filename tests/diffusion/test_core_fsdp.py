@@ -144,6 +144,11 @@ def _standard_first_step(name: str) -> dict[str, float]:
         ("sd3_flow_grpo_proxy", []),
         # the two ranks are one sequence-parallel group: each re-scores half of Wan's video tokens
         ("wan_flow_grpo_proxy", ["--set", "diffusion.sequence_parallel=2"]),
+        # the other pipeline families take the same code (shard_model shards any transformer)
+        pytest.param("qwen_image_flow_grpo_proxy", [], marks=pytest.mark.extended),
+        pytest.param("ltx_flow_grpo_proxy", [], marks=pytest.mark.extended),
+        pytest.param("cosmos_flow_grpo_proxy", [], marks=pytest.mark.extended),
+        pytest.param("wan_flow_grpo_proxy", [], marks=pytest.mark.extended, id="wan-data-parallel"),
     ],
 )
 def test_two_fsdp_ranks_train_a_pipeline_family_through_miles_run(
