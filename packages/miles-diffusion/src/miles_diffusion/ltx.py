@@ -57,13 +57,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from torch import nn
 
-from miles_diffusion.pipeline_model import PipelineFlowModel, prompted_model
+from miles_diffusion.pipeline_model import VideoLatentsFlowModel, prompted_model
 from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
-    filmstrip,
     is_pipeline_directory,
     load_text_pipeline,
     seeded_weights,
@@ -112,25 +110,16 @@ def from_tokens(sequence: torch.Tensor, frames: int, height: int, width: int) ->
     return sequence.transpose(1, 2).reshape(b, c, frames, height, width)
 
 
-class LTXFlowModel(PipelineFlowModel):
+class LTXFlowModel(VideoLatentsFlowModel):
     """LTX-Video's transformer as a rectified-flow velocity model over video latents."""
 
     encodings_type = LTXEncodings
     _frozen: TextFrozenParts
 
-    def __init__(
-        self,
-        transformer: nn.Module,
-        frozen: TextFrozenParts,
-        prompts: tuple[str, ...],
-        *,
-        scheduler: Any,
-        video: dict[str, int],
-        precision: PrecisionConfig | None = None,
-    ) -> None:
-        super().__init__(transformer, frozen, prompts, scheduler=scheduler, precision=precision)
-        self.video = dict(video)
-        self.max_sequence_length = int(video["max_sequence_length"])
+    @property
+    def max_sequence_length(self) -> int:
+        """Text tokens of the conditioning (the size file's, the pipeline's 128 by default)."""
+        return int(self.video["max_sequence_length"])
 
     def _vae(self) -> Any:
         return self._frozen.vae
@@ -167,11 +156,6 @@ class LTXFlowModel(PipelineFlowModel):
             temb = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
         decoded = vae.decode(z, temb, return_dict=False)[0]
         return ((decoded.float() + 1.0) / 2.0).clamp(0.0, 1.0)
-
-    @torch.no_grad()
-    def to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """Each video's frames side by side: one filmstrip image [B, 3, H, frames * W] per video."""
-        return filmstrip(self.to_videos(latents))
 
     # ------------------------------------------------------------------ internals
 

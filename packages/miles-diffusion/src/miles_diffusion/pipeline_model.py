@@ -1,7 +1,9 @@
 """What the diffusers-pipeline families (SD3, Wan, Qwen-Image, LTX-Video, Cosmos) share: a trainable ``transformer`` prompted by
 text, frozen text encoders and VAE kept off the module tree, each prompt encoded alone once and
 kept, and a forward under the recipe's precision. A family gives its encodings type, how one text
-is encoded (``_encode_text``) and how its transformer is called (``_denoise``)."""
+is encoded (``_encode_text``) and how its transformer is called (``_denoise``). The video families
+(:class:`VideoLatentsFlowModel`) and the image ones (:class:`ImageLatentsFlowModel`) share their
+sizes; :func:`prompted_model` builds any one-text-encoder family's model from its loaded parts."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from miles_diffusion.denoiser import Conditioning, DiffusionModel
-from miles_diffusion.pipeline_parts import TextPipeline
+from miles_diffusion.pipeline_parts import TextPipeline, filmstrip
 from miles_diffusion.precision import PrecisionConfig, keep_fp32
 
 UNCONDITIONAL_TEXT = ""
@@ -154,22 +156,35 @@ class PipelineFlowModel(DiffusionModel):
         return self
 
 
+class VideoLatentsFlowModel(PipelineFlowModel):
+    """A family whose latents are one video ``[C, F, h, w]`` (Wan, LTX-Video), sized by the
+    directory's size file (``video``: num_frames, height, width and what else the family reads), and
+    whose videos reach the image rewards as filmstrips."""
+
+    def __init__(self, *args: Any, video: dict[str, int], **kwargs: Any) -> None:
+        """:class:`PipelineFlowModel`'s arguments and the ``video`` sizes."""
+        super().__init__(*args, **kwargs)
+        self.video = dict(video)
+
+    @abstractmethod
+    def to_videos(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE-decode final latents to videos [B, 3, frames, H, W] in [0, 1]."""
+
+    @torch.no_grad()
+    def to_images(self, latents: torch.Tensor) -> torch.Tensor:
+        """Each video's frames side by side: one filmstrip image [B, 3, H, frames * W] per video
+        (what the image rewards score: a reward of the whole video, one per trajectory)."""
+        return filmstrip(self.to_videos(latents))
+
+
 class ImageLatentsFlowModel(PipelineFlowModel):
     """A family whose latents are one image ``[C, h, w]`` through a Wan-style VAE (Qwen-Image,
     Cosmos-Predict2), sized by the directory's size file (``image``: height, width,
     max_sequence_length)."""
 
-    def __init__(
-        self,
-        transformer: nn.Module,
-        frozen: FrozenParts,
-        prompts: tuple[str, ...],
-        *,
-        scheduler: Any,
-        image: dict[str, int],
-        precision: PrecisionConfig | None = None,
-    ) -> None:
-        super().__init__(transformer, frozen, prompts, scheduler=scheduler, precision=precision)
+    def __init__(self, *args: Any, image: dict[str, int], **kwargs: Any) -> None:
+        """:class:`PipelineFlowModel`'s arguments and the ``image`` sizes."""
+        super().__init__(*args, **kwargs)
         self.image = dict(image)
         self.max_sequence_length = int(image["max_sequence_length"])
 

@@ -48,13 +48,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from miles_diffusion.pipeline_model import PipelineFlowModel
+from miles_diffusion.pipeline_model import VideoLatentsFlowModel
 from miles_diffusion.pipeline_parts import (
     TensorFields,
     TextFrozenParts,
     check_components,
     decode_wan_latents,
-    filmstrip,
     is_pipeline_directory,
     load_scheduler,
     load_text_parts,
@@ -102,24 +101,11 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-class WanFlowModel(PipelineFlowModel):
+class WanFlowModel(VideoLatentsFlowModel):
     """Wan's transformer as a rectified-flow velocity model over video latents, prompted by id."""
 
     encodings_type = WanEncodings
     _frozen: TextFrozenParts
-
-    def __init__(
-        self,
-        transformer: nn.Module,
-        frozen: TextFrozenParts,
-        prompts: tuple[str, ...],
-        *,
-        scheduler: Any,
-        video: dict[str, int],
-        precision: PrecisionConfig | None = None,
-    ) -> None:
-        super().__init__(transformer, frozen, prompts, scheduler=scheduler, precision=precision)
-        self.video = dict(video)
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -144,12 +130,6 @@ class WanFlowModel(PipelineFlowModel):
         [B, 3, frames, H, W] in [0, 1]."""
         decoded = decode_wan_latents(self._frozen.vae, latents)
         return ((decoded.float() + 1.0) / 2.0).clamp(0.0, 1.0)
-
-    @torch.no_grad()
-    def to_images(self, latents: torch.Tensor) -> torch.Tensor:
-        """Each video's frames side by side: one filmstrip image [B, 3, H, frames * W] per video
-        (what the image rewards score; see the module docstring)."""
-        return filmstrip(self.to_videos(latents))
 
     # ------------------------------------------------------------------ internals
 
