@@ -99,7 +99,8 @@ def check_a_prompts_velocity_ignores_its_batch(model: PipelineFlowModel, engine:
     check_attention_backends(model)
 
 
-def _frozen_state(model: PipelineFlowModel) -> dict[str, torch.Tensor]:
+def frozen_state(model: PipelineFlowModel) -> dict[str, torch.Tensor]:
+    """A copy of every frozen part's weights, by ``part.name``: what training must leave as it was."""
     return {
         f"{part}.{name}": t.detach().clone()
         for part, module in model.frozen_modules().items()
@@ -118,7 +119,7 @@ def check_only_the_transformer_trains(
     assert all(name.startswith("transformer.") for name in model.state_dict())
     frozen_params = [p for m in model.frozen_modules().values() for p in m.parameters()]
     assert frozen_params and not any(p.requires_grad for p in frozen_params)
-    frozen_before = _frozen_state(model)
+    frozen_before = frozen_state(model)
     transformer_before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = FlowGRPOTrainer(model, FlowGRPOConfig(clip_range=0.05), TrainerConfig(lr=1e-2), 0.7)
     trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
@@ -129,7 +130,7 @@ def check_only_the_transformer_trains(
     stats = trainer.train_step(trajectory, torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 2])
     assert stats["grad_norm"] > 0
     assert all(p.grad is None for p in frozen_params)
-    frozen_after = _frozen_state(model)
+    frozen_after = frozen_state(model)
     assert all(torch.equal(frozen_after[k], frozen_before[k]) for k in frozen_before)
     assert all(not m.training for m in model.frozen_modules().values())
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, transformer_before[k])]

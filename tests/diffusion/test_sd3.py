@@ -22,22 +22,15 @@ from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.recipe import recipe_from_dict
 from miles_diffusion.sampler import SamplerConfig, sample, sample_seeded, step_log_prob
 from miles_diffusion.sd3 import T5_MAX_LENGTH, SD3Encodings, SD3FlowModel, write_byte_clip_tokenizer
-from miles_diffusion.train import main, resolve_model_dir
+from miles_diffusion.train import main
 from miles_diffusion.trainer import FlowGRPOTrainer
+
+from ._family_checks import frozen_state, proxy_fixtures
 
 PROMPTS = ("a photo of a red apple", "a lighthouse at dusk", "Ünïcode, punctuation & CAPS!")
 
 
-@pytest.fixture(scope="module")
-def proxy_dir() -> Path:
-    return resolve_model_dir("builtin:tiny-sd3")
-
-
-@pytest.fixture(scope="module")
-def model(proxy_dir: Path) -> SD3FlowModel:
-    loaded = load_model(proxy_dir, prompts=PROMPTS)
-    assert isinstance(loaded, SD3FlowModel)
-    return loaded
+proxy_dir, model = proxy_fixtures("builtin:tiny-sd3", PROMPTS, SD3FlowModel)
 
 
 def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None:
@@ -119,14 +112,6 @@ def test_engine_log_probs_equal_the_trainers_rescoring(model: SD3FlowModel) -> N
     assert images.shape == (4, 3, 32, 32) and 0.0 <= float(images.min()) <= float(images.max()) <= 1.0
 
 
-def _frozen_state(model: SD3FlowModel) -> dict[str, torch.Tensor]:
-    return {
-        f"{part}.{name}": t.detach().clone()
-        for part, module in model.frozen_modules().items()
-        for name, t in module.state_dict().items()
-    }
-
-
 def test_only_the_transformer_trains(proxy_dir: Path) -> None:
     model = load_model(proxy_dir, prompts=PROMPTS)
     assert isinstance(model, SD3FlowModel)
@@ -135,7 +120,7 @@ def test_only_the_transformer_trains(proxy_dir: Path) -> None:
     assert all(name.startswith("transformer.") for name, _ in model.named_parameters())
     frozen_params = [p for m in model.frozen_modules().values() for p in m.parameters()]
     assert frozen_params and not any(p.requires_grad for p in frozen_params)
-    frozen_before = _frozen_state(model)
+    frozen_before = frozen_state(model)
     transformer_before = {k: v.clone() for k, v in model.state_dict().items()}
 
     trainer = FlowGRPOTrainer(model, FlowGRPOConfig(clip_range=0.05), TrainerConfig(lr=1e-2), 0.7)
@@ -150,7 +135,7 @@ def test_only_the_transformer_trains(proxy_dir: Path) -> None:
     nft.train_on_rollout(Rollout(trajectory, torch.tensor([0.1, 0.9, 0.4, 0.2]), 2), torch.Generator())
 
     assert all(p.grad is None for p in frozen_params)
-    frozen_after = _frozen_state(model)
+    frozen_after = frozen_state(model)
     assert frozen_after.keys() == frozen_before.keys()
     assert all(torch.equal(frozen_after[k], frozen_before[k]) for k in frozen_before)
     assert all(not m.training for m in model.frozen_modules().values())
