@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from miles_diffusion.families import check_family_guidance, family_for, load_model
-from miles_diffusion.guidance import GuidanceError
+from miles_diffusion.guidance import GuidanceError, guided_velocity
 from miles_diffusion.qwen_image import (
     PROMPT_TEMPLATE,
     TEMPLATE_PREFIX_TOKENS,
@@ -23,6 +23,7 @@ from miles_diffusion.qwen_image import (
     pack_latents,
     unpack_latents,
 )
+from miles_diffusion.sampler import SamplerConfig, sample_seeded, step_log_prob
 
 from ._family_checks import (
     check_a_prompts_velocity_ignores_its_batch,
@@ -57,10 +58,10 @@ def test_the_directory_picks_its_family(proxy_dir: Path, tmp_path: Path) -> None
         load_model(other, prompts=PROMPTS)
     with pytest.raises(ValueError, match="needs a non-empty `prompts:` list"):
         load_model(proxy_dir)
-    # Qwen-Image's own guidance (norm-rescaled true CFG) is not built: a scale above 1 is refused
-    check_family_guidance(family_for(proxy_dir), 1.0)
-    with pytest.raises(GuidanceError, match=r"^[^\n]*the qwen-image family has no unconditional branch"):
-        check_family_guidance(family_for(proxy_dir), 4.0)
+    # Qwen-Image guides (its own norm-rescaled "true CFG"); below 1 is refused as for every family
+    check_family_guidance(family_for(proxy_dir), 4.0)
+    with pytest.raises(GuidanceError, match=r"must be >= 1\.0"):
+        check_family_guidance(family_for(proxy_dir), 0.5)
 
 
 def test_latent_packing_is_the_transformers_patch_layout(pipe: Any) -> None:
@@ -130,6 +131,57 @@ def test_schedule_and_the_ode_path_are_the_pipelines(model: QwenImageFlowModel, 
         ).images
     torch.testing.assert_close(model.to_images(ours), images, rtol=1e-5, atol=1e-5)
     assert images.shape == (2, 3, 32, 32)
+
+
+@torch.no_grad()
+def test_guidance_is_the_pipelines_true_cfg(model: QwenImageFlowModel, pipe: Any) -> None:
+    """diffusers' QwenImagePipeline at true_cfg_scale=w against the negative prompt " " (its examples'
+    choice; without a negative prompt it does not guide), from the same starting latents: its first
+    Euler step equals ours with our guided velocity, within float rounding (its two branches are two
+    forward passes over texts padded to their own lengths, ours one of 2B over zero-padded, masked
+    texts); the guided velocity keeps the conditional velocity's per-token norm, and differs from the
+    plain classifier-free combination. The engine's guided log-probabilities are the trainer's
+    re-scoring bit for bit."""
+    w = 4.0
+    x0 = torch.randn(1, *model.latent_shape, generator=torch.Generator().manual_seed(7))
+    seen: dict[str, torch.Tensor] = {}
+
+    def first_step(pipeline: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if i == 0:
+            seen["latents"] = kwargs["latents"].clone()
+        pipeline._interrupt = True  # one step is enough
+        return kwargs
+
+    pipe(
+        prompt=PROMPTS[2],
+        negative_prompt=" ",
+        true_cfg_scale=w,
+        latents=pack_latents(x0),
+        num_inference_steps=4,
+        height=32,
+        width=32,
+        max_sequence_length=32,
+        output_type="latent",
+        callback_on_step_end=first_step,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    sigmas = model.timestep_schedule(4)
+    s0, s1 = float(sigmas[0]), float(sigmas[1])
+    t = torch.full((1,), s0)
+    v = guided_velocity(model, x0, t, torch.tensor([2]), w)
+    torch.testing.assert_close(unpack_latents(seen["latents"], 8, 8), x0 + (s1 - s0) * v, rtol=0, atol=1e-5)
+    v_cond = model(x0, t, torch.tensor([2]))
+    v_uncond = model(x0, t, model.encode_texts([" "]))
+    norms = [pack_latents(u).norm(dim=-1) for u in (v, v_cond)]
+    torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
+    plain = v_uncond + w * (v_cond - v_uncond)
+    assert (plain - v).abs().max() > 1e-2 and (v - v_cond).abs().max() > 1e-3
+    guided = SamplerConfig(num_steps=4, noise_level=0.7, guidance_scale=w)
+    prompts = torch.tensor([0, 2])
+    trajectory = sample_seeded(model, prompts, [5, 6], guided, encoded=model.encode_prompts(prompts))
+    for step in range(guided.num_steps):
+        rescored, _, _ = step_log_prob(model, trajectory, step, guided.noise_level, w)
+        assert torch.equal(rescored, trajectory.log_probs[:, step]), step
 
 
 def test_sampler_log_probs_equal_the_trainers_rescoring(model: QwenImageFlowModel) -> None:

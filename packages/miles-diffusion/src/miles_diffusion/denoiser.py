@@ -97,3 +97,10 @@ class DiffusionModel(nn.Module, metaclass=ABCMeta):
         rows, then ``prompts``' own encodings (ids are encoded first). Only for a family with
         :attr:`has_unconditional`."""
         raise ValueError(f"a {type(self).__name__} has no unconditional branch for classifier-free guidance")
+
+    def combine_guidance(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """The guided velocity from the two branches' velocities at guidance ``scale``: classifier-free
+        guidance's ``v_uncond + scale (v_cond - v_uncond)``. A family whose pipeline guides by another
+        formula (Qwen-Image's norm-rescaled "true CFG") overrides it; the sampler and the trainer both
+        call it through :func:`miles_diffusion.guidance.guided_velocity`."""
+        return v_uncond + scale * (v_cond - v_uncond)

@@ -183,7 +183,7 @@ register_family(
         _detect_qwen_image,
         _load_qwen_image,
         text_prompts=True,
-        unconditional=False,  # Qwen-Image's norm-rescaled true CFG is not built (qwen_image.py)
+        unconditional=True,  # Qwen-Image's norm-rescaled "true CFG" against " " (qwen_image.py)
     )
 )
 register_family(

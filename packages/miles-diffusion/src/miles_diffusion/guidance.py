@@ -2,7 +2,10 @@
 
 With a guidance scale ``w`` the step's velocity is ``v_uncond + w * (v_cond - v_uncond)``, where
 ``v_uncond`` is the model's velocity under the unconditional encoding (for a text family: the empty
-prompt's, the negative prompt diffusers uses by default) and ``v_cond`` under the prompt's own. Both
+prompt's, the negative prompt diffusers uses by default; Qwen-Image's: the single space its
+pipeline's examples guide against) and ``v_cond`` under the prompt's own. A family may combine the two
+otherwise (``DiffusionModel.combine_guidance``): Qwen-Image rescales the guided velocity, token by
+token, to the conditional one's norm, as its pipeline's "true CFG" does. Both
 branches are one forward pass over a batch of ``2B`` (unconditional rows first, as diffusers orders
 them), so guidance costs twice the denoiser's work per step. ``w = 1`` is no guidance: one forward
 pass of the conditional branch alone, exactly the unguided velocity.
@@ -46,8 +49,8 @@ def check_unconditional(what: str, has_unconditional: bool, scale: float) -> Non
     if scale != NO_GUIDANCE and not has_unconditional:
         raise GuidanceError(
             f"guidance_scale {scale}: {what} has no unconditional branch (no null prompt it was trained "
-            "with), so classifier-free guidance cannot run on it; use guidance_scale 1.0 (the sd3 and "
-            "wan families guide with the empty prompt's encoding)"
+            "with), so classifier-free guidance cannot run on it; use guidance_scale 1.0 (the pipeline "
+            "families guide against a negative prompt's encoding)"
         )
 
 
@@ -70,4 +73,4 @@ def guided_velocity(
     both = model.with_unconditional(prompts)  # [unconditional rows; the prompts' rows], 2B
     v = model(torch.cat([x_t, x_t]), torch.cat([t, t]), both)
     v_uncond, v_cond = v.chunk(2)
-    return v_uncond + guidance_scale * (v_cond - v_uncond)
+    return model.combine_guidance(v_uncond, v_cond, guidance_scale)

@@ -37,6 +37,10 @@ The image size is the pipeline's default (1024x1024) and the text length 1024 to
 pipeline's maximum) unless the directory holds ``miles_image.json`` (``{"height", "width",
 "max_sequence_length"}``; diffusers ignores it), as ``builtin:tiny-qwen-image`` does.
 
+Guidance is the pipeline's "true CFG" against the negative prompt ``" "``: the classifier-free
+combination rescaled per token to the conditional velocity's norm (:meth:`QwenImageFlowModel.
+combine_guidance`).
+
 :func:`build_tiny_qwen_image` writes the scaled-down proxy: :mod:`miles_diffusion.qwen_image_proxy`.
 """
 
@@ -75,6 +79,10 @@ Qwen2 tokenizer: their states are dropped from the conditioning, as the pipeline
 
 TOKENIZER_MAX_PROMPT = 1024
 """Prompt tokens the tokenizer keeps after the template's prefix (the pipeline's limit)."""
+
+NEGATIVE_PROMPT = " "
+"""The unconditional branch of Qwen-Image's guidance: its pipeline guides only against a given
+negative prompt (none: no guidance), and its documentation's examples give this one space."""
 
 IMAGE_FILE = "miles_image.json"
 """Optional file of a Qwen-Image directory naming the image size and the text length."""
@@ -155,10 +163,17 @@ class QwenImageFlowModel(ImageLatentsFlowModel):
     encodings_type = QwenImageEncodings
     _frozen: TextFrozenParts
 
-    has_unconditional = False
-    """Guidance is refused: Qwen-Image's pipeline guides with a negative prompt and rescales the
-    guided velocity to the conditional one's norm per token ("true CFG"), which the shared
-    classifier-free guidance (``v_u + w (v_c - v_u)``) is not; sampling is conditional only."""
+    unconditional_text = NEGATIVE_PROMPT
+
+    def combine_guidance(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Qwen-Image's "true CFG": the classifier-free combination, then rescaled token by token
+        (each 2x2 patch's ``4C`` values, the transformer's token) to the conditional velocity's norm,
+        so guidance turns the velocity without lengthening it."""
+        h, w = v_cond.shape[-2:]
+        cond = pack_latents(v_cond)
+        combined = pack_latents(v_uncond + scale * (v_cond - v_uncond))
+        rescaled = combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+        return unpack_latents(rescaled, h, w)
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         _, h, w = self.latent_shape
