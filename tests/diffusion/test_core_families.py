@@ -1,6 +1,7 @@
 """``miles run <family>_flow_grpo_proxy`` through the core CLI, one case per pipeline family served
 the same way (Wan 2.x text-to-video, Qwen-Image, LTX-Video, Cosmos-Predict2; SD3 has its own file, ``test_core_sd3.py``, for what
-only it checks: microgroups, streamed frames, the real-model recipe).
+only it checks: microgroups, streamed frames; the real-directory recipes of all five are checked in
+``test_real_recipes.py``).
 
 Each family's scaled-down random pipeline (``builtin:tiny-<family>``) is served by the diffusion
 engine (prompt texts in each request, the VAE decode in the engine, latents and images on the wire
