@@ -100,3 +100,130 @@ def test_the_core_path_accepts_wan(proxy_dir: Path) -> None:
         checked = preflight(load_recipe("wan_flow_grpo_proxy", [f"model.path={ref}"]))
         close_components(checked.components)
         assert checked.model_path == str(proxy_dir.resolve())
+
+
+# ----------------------------------------------------------------------------- Wan 2.2 TI2V-5B
+
+GUIDANCE = 4.5
+
+
+@pytest.fixture(scope="module")
+def ti2v_dir() -> Path:
+    from miles_diffusion.train import resolve_model_dir
+
+    return resolve_model_dir("builtin:tiny-wan22-ti2v")
+
+
+@pytest.fixture(scope="module")
+def ti2v(ti2v_dir: Path) -> WanFlowModel:
+    loaded = load_model(ti2v_dir, prompts=PROMPTS)
+    assert isinstance(loaded, WanFlowModel)
+    return loaded
+
+
+def _wan_pipeline(directory: Path) -> Any:
+    from diffusers import WanPipeline
+
+    return WanPipeline.from_pretrained(str(directory), dtype=torch.float32)
+
+
+def _pipeline_latents(pipe: Any, x0: torch.Tensor, steps: int, guidance: float, stop: int | None) -> Any:
+    """diffusers' WanPipeline on the TI2V proxy's 5 frames of 32x32 from latents ``x0``: the latents
+    after each of its steps (all ``steps``, or the first ``stop``) and its decoded video."""
+    seen: list[torch.Tensor] = []
+
+    def record(pipeline: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        seen.append(kwargs["latents"].clone())
+        if stop is not None and i + 1 >= stop:
+            pipeline._interrupt = True
+        return kwargs
+
+    out = pipe(
+        prompt=PROMPTS[1],
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        latents=x0.clone(),
+        height=32,
+        width=32,
+        num_frames=5,
+        output_type="pt" if stop is None else "latent",
+        callback_on_step_end=record,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    return seen, out.frames
+
+
+def test_ti2v_loads_with_per_token_timesteps(ti2v: WanFlowModel, ti2v_dir: Path) -> None:
+    """A TI2V directory (expand_timesteps) is a wan one; its latents are [8, 3, 4, 4] (the patchified
+    VAE's spatial factor 8, latent width 8), and its transformer is called with one timestep per video
+    token (12: 3 frames x 2 x 2 patches), each row's own t on all of them, as WanPipeline calls it."""
+    assert family_for(ti2v_dir).name == "wan" and ti2v.expand_timesteps
+    assert ti2v.latent_shape == (8, 3, 4, 4)
+    seen: list[torch.Tensor] = []
+    hook = ti2v.transformer.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.append(kwargs["timestep"]), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            ti2v(torch.randn(2, 8, 3, 4, 4), torch.tensor([0.25, 0.75]), torch.tensor([0, 1]))
+    finally:
+        hook.remove()
+    (timestep,) = seen
+    assert timestep.shape == (2, 12)
+    assert torch.equal(timestep, torch.tensor([[250.0] * 12, [750.0] * 12]))
+
+
+@torch.no_grad()
+def test_ti2v_ode_path_and_video_are_wan_pipelines(ti2v: WanFlowModel, ti2v_dir: Path) -> None:
+    """diffusers' WanPipeline on the TI2V proxy, 4 steps unguided from the same latents: its schedule
+    is ours bit for bit, its latents after every step are our Euler ODE's within float rounding, and
+    its decoded video (the patchified residual VAE) is ours from its final latents."""
+    pipe = _wan_pipeline(ti2v_dir)
+    assert pipe.config.expand_timesteps
+    x0 = torch.randn((1, *ti2v.latent_shape), generator=torch.Generator().manual_seed(7))
+    seen, frames = _pipeline_latents(pipe, x0, 4, 1.0, None)
+    times = ti2v.timestep_schedule(4)
+    pipe.scheduler.set_timesteps(4)
+    assert torch.equal(times, pipe.scheduler.sigmas.float())
+    x, prompt = x0, torch.tensor([1])
+    for step in range(4):
+        x = x + float(times[step + 1] - times[step]) * ti2v(x, times[step : step + 1], prompt)
+        torch.testing.assert_close(seen[step], x, rtol=0, atol=1e-5)
+    video = ti2v.to_videos(seen[-1])  # [B, 3, frames, H, W]; the pipeline's "pt" is [B, frames, 3, H, W]
+    assert video.shape == (1, 3, 5, 32, 32)
+    torch.testing.assert_close(frames.permute(0, 2, 1, 3, 4), video, rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_ti2v_guided_first_step_is_wan_pipelines(ti2v: WanFlowModel, ti2v_dir: Path) -> None:
+    """At guidance_scale 4.5 (negative prompt the empty one) WanPipeline's first step on the TI2V proxy
+    is ours with our guided velocity (its two forward passes, our one of 2B: within rounding)."""
+    from miles_diffusion.guidance import guided_velocity
+
+    pipe = _wan_pipeline(ti2v_dir)
+    x0 = torch.randn((1, *ti2v.latent_shape), generator=torch.Generator().manual_seed(8))
+    seen, _ = _pipeline_latents(pipe, x0, 4, GUIDANCE, 1)
+    times = ti2v.timestep_schedule(4)
+    v = guided_velocity(ti2v, x0, times[:1], torch.tensor([1]), GUIDANCE)
+    torch.testing.assert_close(seen[0], x0 + float(times[1] - times[0]) * v, rtol=0, atol=1e-5)
+    unguided = x0 + float(times[1] - times[0]) * ti2v(x0, times[:1], torch.tensor([1]))
+    assert (seen[0] - unguided).abs().max() > 1e-3
+
+
+def test_ti2v_log_probs_equal_the_trainers_rescoring(ti2v: WanFlowModel) -> None:
+    """Unguided (the engine's form and the driver's) and guided at 4.5, the sampler's log-probs are
+    the trainer's re-scoring bit for bit at every step; the videos decode to 5 frames of 32x32."""
+    from miles_diffusion.sampler import SamplerConfig, sample_seeded, step_log_prob
+
+    engine = check_log_probs_equal_the_trainers_rescoring(ti2v, (4, 5, 8, 3, 4, 4))
+    assert ti2v.to_images(engine.latents[:, -1]).shape == (4, 3, 32, 5 * 32)
+    guided = SamplerConfig(num_steps=4, noise_level=0.7, guidance_scale=GUIDANCE)
+    trajectory = sample_seeded(ti2v, torch.tensor([2, 0, 2, 1]), [1, 2, 3, 4], guided)
+    for step in range(4):
+        with torch.no_grad():
+            rescored, _, _ = step_log_prob(ti2v, trajectory, step, 0.7, GUIDANCE)
+        assert torch.equal(rescored, trajectory.log_probs[:, step]), step
+
+
+def test_ti2v_only_the_transformer_trains(ti2v_dir: Path) -> None:
+    check_only_the_transformer_trains(ti2v_dir, PROMPTS, WanFlowModel)

@@ -71,3 +71,14 @@ TINY_COSMOS = BuiltinModel(
     "tokenizer); the cosmos_flow_grpo_proxy recipe's model",
     "miles_diffusion.cosmos:build_tiny_cosmos",
 )
+
+TINY_WAN22_TI2V = BuiltinModel(
+    "tiny-wan22-ti2v",
+    "diffusion",
+    "WanPipeline",
+    "22.6K",
+    "random-init scaled-down Wan 2.2 TI2V-5B text-to-video pipeline (expand_timesteps: per-token "
+    "timesteps; diffusers WanTransformer3DModel, 2 layers; a patchified residual AutoencoderKLWan, 5 frames "
+    "of 32x32 RGB to 8x3x4x4 latents; a 1-layer UMT5 encoder with a character-level tokenizer)",
+    "miles_diffusion.wan:build_tiny_wan22_ti2v",
+)

@@ -7,9 +7,11 @@ final latents are decoded to frames for the rewards), ``text_encoder`` (``UMT5En
 ``T5EncoderModel``) with its ``tokenizer``, and ``scheduler`` (``FlowMatchEulerDiscreteScheduler``, or
 ``UniPCMultistepScheduler`` with flow sigmas, as Wan's own directories carry: only the sigmas it
 gives for a step count are read). Text encoder and VAE are frozen, in eval mode and kept off the
-module tree: not in ``parameters()`` nor ``state_dict()``. Refused in one line: a second
-transformer (Wan 2.2 A14B's ``transformer_2`` / ``boundary_ratio``: two experts by noise level) and
-``expand_timesteps`` (Wan 2.2 TI2V's per-token timesteps); Wan 2.1 T2V directories load.
+module tree: not in ``parameters()`` nor ``state_dict()``. Wan 2.1 T2V directories load, and Wan
+2.2 TI2V-5B's (``expand_timesteps: true``) for text-to-video: its transformer is given one timestep
+per video token, as WanPipeline gives it (see :meth:`WanFlowModel._denoise`), and its VAE's larger
+spatial factor and latent width are read from the VAE's config. Refused in one line: a second
+transformer (Wan 2.2 A14B's ``transformer_2`` / ``boundary_ratio``: two experts by noise level).
 
 Latents are ``[C, F, h, w]``: ``C`` the VAE's ``z_dim``, ``F = (frames - 1) / scale_factor_temporal
 + 1``, ``h, w`` the pixel size over ``scale_factor_spatial``. The video size is WanPipeline's default
@@ -107,6 +109,12 @@ class WanFlowModel(VideoLatentsFlowModel):
     encodings_type = WanEncodings
     _frozen: TextFrozenParts
 
+    def __init__(self, *args: Any, expand_timesteps: bool = False, **kwargs: Any) -> None:
+        """:class:`VideoLatentsFlowModel`'s arguments and the directory's ``expand_timesteps`` (Wan 2.2
+        TI2V: the transformer reads one timestep per video token)."""
+        super().__init__(*args, **kwargs)
+        self.expand_timesteps = bool(expand_timesteps)
+
     @property
     def latent_shape(self) -> tuple[int, ...]:
         vae: Any = cast(Any, self._frozen.vae).config
@@ -134,11 +142,23 @@ class WanFlowModel(VideoLatentsFlowModel):
     # ------------------------------------------------------------------ internals
 
     def _denoise(self, x_t: torch.Tensor, timestep: torch.Tensor, enc: WanEncodings) -> torch.Tensor:
+        if self.expand_timesteps:
+            timestep = self._per_token(x_t, timestep)
         out = self.transformer(
             hidden_states=x_t, timestep=timestep, encoder_hidden_states=enc.sequence, return_dict=False
         )[0]
         assert isinstance(out, torch.Tensor)
         return out
+
+    def _per_token(self, x_t: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """TI2V's timesteps ``[B, tokens]``: each row's timestep on every video token (latent frames x
+        patches, in the transformer's token order). WanPipeline's text-to-video builds the same
+        numbers as a mask of ones over the latents, subsampled by the patch, times ``t``, flattened
+        and expanded over the batch (its image-to-video would zero the first frame's: not served)."""
+        pt, ph, pw = (int(p) for p in cast(Any, self.transformer).config.patch_size)
+        _, _, frames, height, width = x_t.shape
+        tokens = (frames // pt) * (height // ph) * (width // pw)
+        return timestep[:, None].expand(-1, tokens)
 
     def _encode_text(self, text: str) -> WanEncodings:
         """One prompt's conditioning [1, WAN_MAX_LENGTH, D], autocast off (frozen FP32 encoder)."""
@@ -165,11 +185,6 @@ def _check_index(index: dict[str, Any], directory: Path) -> None:
         raise ValueError(
             f"{directory}: a two-expert Wan 2.2 directory (transformer_2 / boundary_ratio); the wan family "
             "trains one transformer"
-        )
-    if index.get("expand_timesteps"):
-        raise ValueError(
-            f"{directory}: expand_timesteps (Wan 2.2 TI2V's per-token timesteps) is not supported by the "
-            "wan family"
         )
 
 
@@ -203,6 +218,7 @@ def load_wan(
         scheduler=scheduler,
         video=video,
         precision=precision,
+        expand_timesteps=bool(index.get("expand_timesteps")),
     )
     return model.eval()
 
@@ -228,6 +244,41 @@ class TinyWanConfig:
     text_dim: int = 32
     text_layers: int = 1
     shift: float = 3.0
+    vae_patch_size: int | None = None
+    """Wan 2.2 TI2V's VAE: pixels patchified by this factor before a residual encoder (its spatial
+    factor grows by it); None: Wan 2.1's."""
+    expand_timesteps: bool = False
+    """Wan 2.2 TI2V's per-token timesteps (``model_index.json``'s ``expand_timesteps``)."""
+
+
+TINY_WAN22_TI2V = TinyWanConfig(size=32, z_dim=8, vae_patch_size=2, expand_timesteps=True)
+"""The Wan 2.2 TI2V-5B proxy (``builtin:tiny-wan22-ti2v``): ``expand_timesteps``, a patchified
+residual VAE of spatial factor 8 (TI2V's 16, scaled down) and latent width 8 (TI2V's 48): 5 frames
+of 32x32 to latents [8, 3, 4, 4]; the transformer as ``tiny-wan``'s (12 video tokens)."""
+
+
+def build_tiny_wan22_ti2v(dest: Path, seed: int) -> None:
+    """Builder of the built-in ``tiny-wan22-ti2v`` (:data:`TINY_WAN22_TI2V`)."""
+    build_tiny_wan(dest, seed, TINY_WAN22_TI2V)
+
+
+def _tiny_vae(vae_class: Any, c: TinyWanConfig) -> Any:
+    if c.vae_patch_size is None:
+        return tiny_wan_vae(
+            vae_class, c.vae_base_dim, c.z_dim, scale_factor_temporal=2, scale_factor_spatial=4
+        )
+    p = c.vae_patch_size
+    return tiny_wan_vae(
+        vae_class,
+        c.vae_base_dim,
+        c.z_dim,
+        scale_factor_temporal=2,
+        scale_factor_spatial=4 * p,
+        is_residual=True,
+        patch_size=p,
+        in_channels=3 * p * p,
+        out_channels=3 * p * p,
+    )
 
 
 def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -> None:
@@ -239,9 +290,7 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
     c = config or TinyWanConfig()
     dest, tokenizer = start_char_t5_proxy(dest)
     with seeded_weights(seed):
-        vae = tiny_wan_vae(
-            AutoencoderKLWan, c.vae_base_dim, c.z_dim, scale_factor_temporal=2, scale_factor_spatial=4
-        )
+        vae = _tiny_vae(AutoencoderKLWan, c)
         transformer = WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=c.num_attention_heads,
@@ -268,5 +317,5 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
         # Wan 2.2's keys, as a one-transformer Wan 2.1 directory writes them
         transformer_2=[None, None],
         boundary_ratio=None,
-        expand_timesteps=False,
+        expand_timesteps=c.expand_timesteps,
     )
