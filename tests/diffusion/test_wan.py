@@ -6,6 +6,7 @@ transformer trains, the driver runs the proxy recipe, and the core path accepts 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ._family_checks import (
     check_log_probs_equal_the_trainers_rescoring,
     check_one_driver_iteration_of_each_recipe,
     check_only_the_transformer_trains,
+    frozen_state,
     index_copy,
     proxy_fixtures,
 )
@@ -227,3 +229,195 @@ def test_ti2v_log_probs_equal_the_trainers_rescoring(ti2v: WanFlowModel) -> None
 
 def test_ti2v_only_the_transformer_trains(ti2v_dir: Path) -> None:
     check_only_the_transformer_trains(ti2v_dir, PROMPTS, WanFlowModel)
+
+
+# ----------------------------------------------------------------------------- Wan 2.2 A14B
+
+
+@pytest.fixture(scope="module")
+def a14b_dir() -> Path:
+    from miles_diffusion.train import resolve_model_dir
+
+    return resolve_model_dir("builtin:tiny-wan22-a14b")
+
+
+@pytest.fixture(scope="module")
+def a14b(a14b_dir: Path) -> WanFlowModel:
+    loaded = load_model(a14b_dir, prompts=PROMPTS)
+    assert isinstance(loaded, WanFlowModel)
+    return loaded
+
+
+def _expert_calls(model: WanFlowModel) -> tuple[list[int], list[Any]]:
+    """Which expert ran, call by call (1: transformer, 2: transformer_2), and the hooks to remove."""
+    calls: list[int] = []
+    hooks = [
+        module.register_forward_pre_hook(lambda *_a, n=n: calls.append(n))
+        for n, module in ((1, model.transformer), (2, model.transformer_2))
+    ]
+    return calls, hooks
+
+
+def test_a14b_loads_two_experts(a14b: WanFlowModel, a14b_dir: Path, proxy_dir: Path) -> None:
+    """A two-expert directory is a wan one: both experts are submodules (in the state dict, so both
+    train), the high-noise one is tiny-wan's transformer, the low-noise one its own weights; the
+    switch is at boundary_ratio x 1000 = 875."""
+    assert family_for(a14b_dir).name == "wan" and a14b.boundary_timestep == 875.0
+    names = set(a14b.state_dict())
+    assert all(n.startswith(("transformer.", "transformer_2.")) for n in names)
+    assert {n.removeprefix("transformer_2.") for n in names if n.startswith("transformer_2.")} == {
+        n.removeprefix("transformer.") for n in names if n.startswith("transformer.")
+    }
+    one = load_model(proxy_dir, prompts=PROMPTS)
+    first = a14b.transformer.state_dict()
+    assert all(torch.equal(v, first[k]) for k, v in one.transformer.state_dict().items())
+    second = a14b.transformer_2.state_dict()
+    assert any(not torch.equal(v, second[k]) for k, v in first.items())
+
+
+def test_a14b_bad_directories_are_refused(a14b_dir: Path, tmp_path: Path) -> None:
+    from miles_diffusion.wan import _check_index
+
+    index = json.loads((a14b_dir / "model_index.json").read_text())
+    with pytest.raises(ValueError, match=r"boundary_ratio 1\.5; a two-expert"):
+        _check_index({**index, "boundary_ratio": 1.5}, tmp_path)
+    with pytest.raises(ValueError, match="names None for 'transformer_2'"):
+        _check_index({**index, "transformer_2": None}, tmp_path)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("guidance", [1.0, GUIDANCE])
+def test_a14b_steps_are_wan_pipelines(a14b: WanFlowModel, a14b_dir: Path, guidance: float) -> None:
+    """diffusers' WanPipeline on the A14B proxy, 4 steps (sigmas 1, 0.858, 0.602, 0.009: the first on
+    the high-noise expert, the rest on the low-noise one) from the same latents, unguided and at 4.5
+    (its guidance_scale_2 defaulting to the same): its latents after each step are our Euler ODE's
+    within float rounding, and ours ran the expert it ran at each step."""
+    from miles_diffusion.guidance import guided_velocity
+
+    pipe = _wan_pipeline(a14b_dir)
+    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
+    x0 = torch.randn((1, *a14b.latent_shape), generator=torch.Generator().manual_seed(9))
+    seen: list[torch.Tensor] = []
+
+    def record(pipeline: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        seen.append(kwargs["latents"].clone())
+        return kwargs
+
+    pipe(
+        prompt=PROMPTS[1],
+        num_inference_steps=4,
+        guidance_scale=guidance,
+        latents=x0.clone(),
+        height=16,
+        width=16,
+        num_frames=5,
+        output_type="latent",
+        callback_on_step_end=record,
+        callback_on_step_end_tensor_inputs=["latents"],
+    )
+    times = a14b.timestep_schedule(4)
+    calls, hooks = _expert_calls(a14b)
+    try:
+        x = x0
+        for step in range(4):
+            v = guided_velocity(a14b, x, times[step : step + 1], torch.tensor([1]), guidance)
+            x = x + float(times[step + 1] - times[step]) * v
+            torch.testing.assert_close(seen[step], x, rtol=0, atol=1e-5)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == [1, 2, 2, 2]  # guided: one forward of 2B a step
+
+
+@torch.no_grad()
+def test_a14b_rows_on_each_side_of_the_boundary(a14b: WanFlowModel) -> None:
+    """Rows of one call on both sides of the boundary each get their own expert: equal to each row
+    alone (which runs that expert only)."""
+    x = torch.randn((3, *a14b.latent_shape), generator=torch.Generator().manual_seed(2))
+    t = torch.tensor([0.9, 0.5, 0.875])
+    prompts = torch.tensor([0, 1, 2])
+    together = a14b(x, t, prompts)
+    for row, expert in ((0, 1), (1, 2), (2, 1)):
+        calls, hooks = _expert_calls(a14b)
+        try:
+            alone = a14b(x[row : row + 1], t[row : row + 1], prompts[row : row + 1])
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert calls == [expert]
+        torch.testing.assert_close(alone, together[row : row + 1], rtol=0, atol=1e-6)
+
+
+def test_a14b_log_probs_and_both_experts_train(a14b: WanFlowModel, a14b_dir: Path) -> None:
+    """The sampler's log-probs are re-scored bit for bit on both sides; a Flow-GRPO step on steps 0
+    (high-noise) and 2 (low-noise) optimizes and changes both experts and leaves the frozen parts."""
+    from miles_diffusion.flow_grpo import FlowGRPOConfig
+    from miles_diffusion.objectives import TrainerConfig
+    from miles_diffusion.sampler import SamplerConfig, sample
+    from miles_diffusion.trainer import FlowGRPOTrainer
+
+    check_log_probs_equal_the_trainers_rescoring(a14b, (4, 5, 4, 3, 4, 4))
+    model = load_model(a14b_dir, prompts=PROMPTS)
+    assert isinstance(model, WanFlowModel)
+    frozen = frozen_state(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = FlowGRPOTrainer(model, FlowGRPOConfig(clip_range=0.05), TrainerConfig(lr=1e-2), 0.7)
+    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert trained == {id(p) for p in model.parameters()}
+    trajectory = sample(
+        model, torch.tensor([0, 0, 1, 1]), SamplerConfig(num_steps=4), torch.Generator().manual_seed(1)
+    )
+    stats = trainer.train_step(trajectory, torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 2])
+    assert stats["grad_norm"] > 0
+    changed = {k.split(".")[0] for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"transformer", "transformer_2"}
+    after = frozen_state(model)
+    assert all(torch.equal(after[k], frozen[k]) for k in frozen)
+
+
+def test_a14b_driver_iteration_and_refusals(
+    a14b: WanFlowModel, a14b_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The package driver runs the Wan proxy recipe on the A14B proxy; the core path (miles run: by
+    built-in name and by directory), LoRA and FSDP ranks refuse it in one line before anything starts."""
+    import dataclasses
+
+    from miles.config import load_recipe
+    from miles.driver.preflight import preflight
+    from miles.errors import ConfigError
+    from miles_diffusion import lora
+    from miles_diffusion.families import check_core_path
+    from miles_diffusion.recipe import load_recipe as load_driver_recipe
+    from miles_diffusion.train import main, run
+
+    main(
+        [
+            "wan_flow_grpo_proxy",
+            "--model",
+            "builtin:tiny-wan22-a14b",
+            "--iterations",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert "train/loss" in json.loads((tmp_path / "metrics.jsonl").read_text())
+    capsys.readouterr()
+    refused = (
+        r"a two-expert Wan 2\.2 directory \(transformer_2 / boundary_ratio\); {} handles one transformer"
+    )
+    core = refused.format(r"the core path \(miles run\)")
+    with pytest.raises(ValueError, match=core) as err:
+        check_core_path(a14b_dir)
+    assert "\n" not in str(err.value)
+    for ref in ("builtin:tiny-wan22-a14b", str(a14b_dir)):
+        with pytest.raises(ConfigError, match=core):
+            preflight(load_recipe("wan_flow_grpo_proxy", [f"model.path={ref}"]))
+    with pytest.raises(ValueError, match=refused.format("LoRA")):
+        lora.adapter_root(a14b)
+    recipe = load_driver_recipe("wan_flow_grpo_proxy")
+    recipe = dataclasses.replace(
+        recipe, model="builtin:tiny-wan22-a14b", trainer=dataclasses.replace(recipe.trainer, fsdp_ranks=2)
+    )
+    with pytest.raises(ValueError, match=refused.format(r"FSDP \(fsdp_ranks\)")):
+        run(recipe)

@@ -82,3 +82,14 @@ TINY_WAN22_TI2V = BuiltinModel(
     "of 32x32 RGB to 8x3x4x4 latents; a 1-layer UMT5 encoder with a character-level tokenizer)",
     "miles_diffusion.wan:build_tiny_wan22_ti2v",
 )
+
+TINY_WAN22_A14B = BuiltinModel(
+    "tiny-wan22-a14b",
+    "diffusion",
+    "WanPipeline",
+    "43.6K",
+    "random-init scaled-down Wan 2.2 A14B two-expert text-to-video pipeline (two diffusers "
+    "WanTransformer3DModel experts of 2 layers, boundary_ratio 0.875; otherwise tiny-wan); the package "
+    "driver trains both; miles run, LoRA and FSDP ranks refuse it",
+    "miles_diffusion.wan:build_tiny_wan22_a14b",
+)

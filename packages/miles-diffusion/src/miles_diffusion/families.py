@@ -298,6 +298,10 @@ _BUILTIN_ARCHITECTURES = {
 """The family of a built-in diffusion model, by its declared architecture (judged without building it)."""
 
 
+TWO_EXPERT_BUILTINS = frozenset({"tiny-wan22-a14b"})
+"""Built-in diffusion models that are two-expert Wan 2.2 directories (judged without building them)."""
+
+
 def _core_path_refusal(where: str, family: str) -> str:
     return (
         f"{where}: a {family} model; the core path (miles run: the diffusion engine and backend) serves "
@@ -311,6 +315,11 @@ def check_core_path(directory: str | Path) -> ModelFamily:
     family = family_for(directory)
     if family.name not in CORE_PATH_FAMILIES:
         raise ValueError(_core_path_refusal(str(directory), family.name))
+    if family.name == "wan":
+        from miles_diffusion.wan import is_two_expert_directory, two_expert_refusal
+
+        if is_two_expert_directory(Path(directory)):
+            raise ValueError(two_expert_refusal(str(directory), "the core path (miles run)"))
     return family
 
 
@@ -329,6 +338,10 @@ def check_core_model_ref(ref: str) -> None:
         )
         if family is not None and family not in CORE_PATH_FAMILIES:
             raise ValueError(_core_path_refusal(f"model.path {ref}", family))
+        if spec is not None and spec.name in TWO_EXPERT_BUILTINS:
+            from miles_diffusion.wan import two_expert_refusal
+
+            raise ValueError(two_expert_refusal(f"model.path {ref}", "the core path (miles run)"))
         return
     path = Path(ref).expanduser()
     if path.is_dir() and (path / "model_index.json").is_file():

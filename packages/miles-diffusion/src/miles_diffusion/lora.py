@@ -53,6 +53,10 @@ def adapter_root(model: nn.Module) -> tuple[nn.Module, str]:
     from miles_diffusion.pipeline_model import PipelineFlowModel
 
     if isinstance(model, PipelineFlowModel):
+        if getattr(model, "transformer_2", None) is not None:
+            from miles_diffusion.wan import two_expert_refusal
+
+            raise ValueError(two_expert_refusal(type(model).__name__, "LoRA"))
         return model.transformer, TRANSFORMER_PREFIX
     return model, ""
 

@@ -111,6 +111,14 @@ def run(
     :func:`_run_ranks`.
     """
     if recipe.trainer.fsdp_ranks > 1:
+        if isinstance(recipe.model, str):  # judged from the directory, before any rank starts
+            from miles_diffusion.wan import is_two_expert_directory, two_expert_refusal
+
+            directory = resolve_model_dir(recipe.model)
+            if is_two_expert_directory(directory):
+                raise ValueError(
+                    two_expert_refusal(f"recipe {recipe.name}: {directory}", "FSDP (fsdp_ranks)")
+                )
         if recipe.trainer.sequence_parallel > 1:  # judged from the directory, before any rank starts
             from miles_diffusion.sequence_parallel import check_sequence_parallel
 

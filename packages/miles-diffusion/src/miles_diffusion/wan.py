@@ -10,8 +10,13 @@ gives for a step count are read). Text encoder and VAE are frozen, in eval mode 
 module tree: not in ``parameters()`` nor ``state_dict()``. Wan 2.1 T2V directories load, and Wan
 2.2 TI2V-5B's (``expand_timesteps: true``) for text-to-video: its transformer is given one timestep
 per video token, as WanPipeline gives it (see :meth:`WanFlowModel._denoise`), and its VAE's larger
-spatial factor and latent width are read from the VAE's config. Refused in one line: a second
-transformer (Wan 2.2 A14B's ``transformer_2`` / ``boundary_ratio``: two experts by noise level).
+spatial factor and latent width are read from the VAE's config. Wan 2.2 A14B's two experts load
+in the package driver (``transformer_2`` with ``boundary_ratio``): ``transformer``, the high-noise
+expert, denoises the rows whose timestep is at least ``boundary_ratio * num_train_timesteps``, and
+``transformer_2`` the others, as WanPipeline picks them; both are submodules and both train. The
+core path (``miles run``), LoRA and FSDP ranks refuse a two-expert directory in one line
+(:func:`two_expert_refusal`); WanPipeline's ``guidance_scale_2`` (another scale for the low-noise
+stage) is not offered: one scale guides both, its default.
 
 Latents are ``[C, F, h, w]``: ``C`` the VAE's ``z_dim``, ``F = (frames - 1) / scale_factor_temporal
 + 1``, ``h, w`` the pixel size over ``scale_factor_spatial``. The video size is WanPipeline's default
@@ -67,7 +72,7 @@ from miles_diffusion.pipeline_parts import (
     tiny_wan_vae,
     write_proxy_files,
 )
-from miles_diffusion.precision import PrecisionConfig
+from miles_diffusion.precision import PrecisionConfig, keep_fp32
 
 PIPELINE_CLASSES = ("WanPipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -109,11 +114,39 @@ class WanFlowModel(VideoLatentsFlowModel):
     encodings_type = WanEncodings
     _frozen: TextFrozenParts
 
-    def __init__(self, *args: Any, expand_timesteps: bool = False, **kwargs: Any) -> None:
-        """:class:`VideoLatentsFlowModel`'s arguments and the directory's ``expand_timesteps`` (Wan 2.2
-        TI2V: the transformer reads one timestep per video token)."""
+    def __init__(
+        self,
+        *args: Any,
+        expand_timesteps: bool = False,
+        transformer_2: nn.Module | None = None,
+        boundary_ratio: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """:class:`VideoLatentsFlowModel`'s arguments, the directory's ``expand_timesteps`` (Wan 2.2
+        TI2V: the transformer reads one timestep per video token), and Wan 2.2 A14B's low-noise expert
+        ``transformer_2`` with its ``boundary_ratio`` (both or neither)."""
+        if (transformer_2 is None) != (boundary_ratio is None):
+            raise ValueError(
+                "a second Wan expert needs a boundary_ratio, and a boundary_ratio a second expert"
+            )
         super().__init__(*args, **kwargs)
         self.expand_timesteps = bool(expand_timesteps)
+        self.boundary_ratio = boundary_ratio
+        if transformer_2 is not None:
+            # registered after the precision's FP32 modules were kept on `transformer`: keep them here too
+            self.transformer_2 = transformer_2
+            twins = tuple(
+                "transformer_2." + p.removeprefix("transformer.") if p.startswith("transformer.") else p
+                for p in self.precision.fp32_modules
+            )
+            self.fp32_modules = list(dict.fromkeys([*self.fp32_modules, *keep_fp32(self, twins)]))
+
+    @property
+    def boundary_timestep(self) -> float | None:
+        """WanPipeline's switch between the experts, on the scheduler's timestep scale (None: one)."""
+        if self.boundary_ratio is None:
+            return None
+        return self.boundary_ratio * self.num_train_timesteps
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -142,9 +175,28 @@ class WanFlowModel(VideoLatentsFlowModel):
     # ------------------------------------------------------------------ internals
 
     def _denoise(self, x_t: torch.Tensor, timestep: torch.Tensor, enc: WanEncodings) -> torch.Tensor:
+        boundary = self.boundary_timestep
+        if boundary is None:
+            return self._expert(self.transformer, x_t, timestep, enc)
+        # each row's expert as WanPipeline picks it (t >= boundary: the high-noise one); a sampler or
+        # trainer call shares one t, so one expert runs, but mixed rows are split and put back
+        high = timestep >= boundary
+        if bool(high.all()):
+            return self._expert(self.transformer, x_t, timestep, enc)
+        if not bool(high.any()):
+            return self._expert(self.transformer_2, x_t, timestep, enc)
+        out = torch.empty_like(x_t)
+        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+            index = rows.nonzero().squeeze(1)
+            out[index] = self._expert(expert, x_t[index], timestep[index], enc[index]).to(out.dtype)
+        return out
+
+    def _expert(
+        self, transformer: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, enc: WanEncodings
+    ) -> torch.Tensor:
         if self.expand_timesteps:
             timestep = self._per_token(x_t, timestep)
-        out = self.transformer(
+        out = transformer(
             hidden_states=x_t, timestep=timestep, encoder_hidden_states=enc.sequence, return_dict=False
         )[0]
         assert isinstance(out, torch.Tensor)
@@ -178,13 +230,39 @@ def is_wan_directory(directory: Path) -> bool:
     return is_pipeline_directory(directory, PIPELINE_CLASSES)
 
 
+def _has_second_expert(index: dict[str, Any]) -> bool:
+    second = index.get("transformer_2")
+    return (second is not None and second != [None, None]) or index.get("boundary_ratio") is not None
+
+
+def is_two_expert_directory(directory: str | Path) -> bool:
+    """Whether ``directory`` is a two-expert Wan 2.2 (A14B) one: ``transformer_2`` / ``boundary_ratio``."""
+    root = Path(directory)
+    return is_wan_directory(root) and _has_second_expert(read_model_index(root))
+
+
+def two_expert_refusal(where: str, what: str) -> str:
+    """The one line refusing a two-expert Wan 2.2 directory where only one transformer is handled."""
+    return (
+        f"{where}: a two-expert Wan 2.2 directory (transformer_2 / boundary_ratio); {what} handles one "
+        "transformer so far; train it with python -m miles_diffusion.train, one process, no LoRA "
+        "(docs/diffusion.md, 'Wan 2.2')"
+    )
+
+
 def _check_index(index: dict[str, Any], directory: Path) -> None:
     check_components(index, directory, _COMPONENTS, "wan")
-    second = index.get("transformer_2")
-    if (second is not None and second != [None, None]) or index.get("boundary_ratio") is not None:
+    if not _has_second_expert(index):
+        return
+    second, ratio = index.get("transformer_2"), index.get("boundary_ratio")
+    if not (isinstance(second, list) and len(second) == 2 and second[1] == "WanTransformer3DModel"):
         raise ValueError(
-            f"{directory}: a two-expert Wan 2.2 directory (transformer_2 / boundary_ratio); the wan family "
-            "trains one transformer"
+            f"{directory}: model_index.json names {second!r} for 'transformer_2' with boundary_ratio "
+            f"{ratio!r}; a two-expert Wan 2.2 directory needs a WanTransformer3DModel (diffusers)"
+        )
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio < 1.0:
+        raise ValueError(
+            f"{directory}: boundary_ratio {ratio!r}; a two-expert Wan 2.2 directory needs one in (0, 1)"
         )
 
 
@@ -211,6 +289,12 @@ def load_wan(
     # Wan's video file must name every size (the others' may leave some to the defaults)
     video = read_sizes(root / VIDEO_FILE, DEFAULT_VIDEO, required=True)
     transformer, frozen = load_text_parts(root, WanTransformer3DModel, AutoencoderKLWan, encoder_class)
+    transformer_2 = None
+    if _has_second_expert(index):
+        with torch.random.fork_rng(devices=[]):
+            transformer_2 = WanTransformer3DModel.from_pretrained(
+                str(root), subfolder="transformer_2", dtype=torch.float32
+            )
     model = WanFlowModel(
         cast(nn.Module, transformer),
         frozen,
@@ -219,6 +303,8 @@ def load_wan(
         video=video,
         precision=precision,
         expand_timesteps=bool(index.get("expand_timesteps")),
+        transformer_2=cast(nn.Module, transformer_2) if transformer_2 is not None else None,
+        boundary_ratio=float(index["boundary_ratio"]) if transformer_2 is not None else None,
     )
     return model.eval()
 
@@ -249,12 +335,27 @@ class TinyWanConfig:
     factor grows by it); None: Wan 2.1's."""
     expand_timesteps: bool = False
     """Wan 2.2 TI2V's per-token timesteps (``model_index.json``'s ``expand_timesteps``)."""
+    boundary_ratio: float | None = None
+    """Wan 2.2 A14B: a second transformer (the low-noise expert, its own random weights) below this
+    fraction of the training timesteps; None: one transformer."""
 
 
 TINY_WAN22_TI2V = TinyWanConfig(size=32, z_dim=8, vae_patch_size=2, expand_timesteps=True)
 """The Wan 2.2 TI2V-5B proxy (``builtin:tiny-wan22-ti2v``): ``expand_timesteps``, a patchified
 residual VAE of spatial factor 8 (TI2V's 16, scaled down) and latent width 8 (TI2V's 48): 5 frames
 of 32x32 to latents [8, 3, 4, 4]; the transformer as ``tiny-wan``'s (12 video tokens)."""
+
+
+TINY_WAN22_A14B = TinyWanConfig(boundary_ratio=0.875)
+"""The Wan 2.2 A14B proxy (``builtin:tiny-wan22-a14b``): ``tiny-wan`` (A14B keeps Wan 2.1's VAE) with
+a second transformer of its own weights and A14B text-to-video's ``boundary_ratio`` 0.875 (with shift 3
+and 4 steps, sigmas 1, 0.858, 0.602, 0.009: the first step on the high-noise expert, the other three
+on the low-noise one)."""
+
+
+def build_tiny_wan22_a14b(dest: Path, seed: int) -> None:
+    """Builder of the built-in ``tiny-wan22-a14b`` (:data:`TINY_WAN22_A14B`)."""
+    build_tiny_wan(dest, seed, TINY_WAN22_A14B)
 
 
 def build_tiny_wan22_ti2v(dest: Path, seed: int) -> None:
@@ -289,23 +390,30 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
 
     c = config or TinyWanConfig()
     dest, tokenizer = start_char_t5_proxy(dest)
+    settings: dict[str, Any] = {
+        "patch_size": (1, 2, 2),
+        "num_attention_heads": c.num_attention_heads,
+        "attention_head_dim": c.attention_head_dim,
+        "in_channels": c.z_dim,
+        "out_channels": c.z_dim,
+        "text_dim": c.text_dim,
+        "freq_dim": 16,
+        "ffn_dim": 2 * c.num_attention_heads * c.attention_head_dim,
+        "num_layers": c.num_layers,
+        "rope_max_seq_len": 32,
+    }
     with seeded_weights(seed):
         vae = _tiny_vae(AutoencoderKLWan, c)
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=c.num_attention_heads,
-            attention_head_dim=c.attention_head_dim,
-            in_channels=c.z_dim,
-            out_channels=c.z_dim,
-            text_dim=c.text_dim,
-            freq_dim=16,
-            ffn_dim=2 * c.num_attention_heads * c.attention_head_dim,
-            num_layers=c.num_layers,
-            rope_max_seq_len=32,
-        )
+        transformer = WanTransformer3DModel(**settings)
         encoder = UMT5EncoderModel(UMT5Config(**tiny_t5_settings(tokenizer, c.text_dim, c.text_layers)))
+        # the low-noise expert's weights drawn last: the parts above are those of the one-expert proxy
+        second = WanTransformer3DModel(**settings) if c.boundary_ratio is not None else None
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=c.shift)
     parts = {"transformer": transformer, "vae": vae, "text_encoder": encoder, "scheduler": scheduler}
+    experts: dict[str, Any] = {"transformer_2": [None, None], "boundary_ratio": None}
+    if second is not None:
+        parts["transformer_2"] = second
+        experts = {"boundary_ratio": c.boundary_ratio}
     video = {"num_frames": c.num_frames, "height": c.size, "width": c.size}
     write_proxy_files(
         dest,
@@ -314,8 +422,7 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
         "T5TokenizerFast",
         VIDEO_FILE,
         video,
-        # Wan 2.2's keys, as a one-transformer Wan 2.1 directory writes them
-        transformer_2=[None, None],
-        boundary_ratio=None,
+        # Wan 2.2's keys (a one-transformer directory writes transformer_2 [null, null])
         expand_timesteps=c.expand_timesteps,
+        **experts,
     )
