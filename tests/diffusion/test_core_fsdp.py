@@ -126,10 +126,42 @@ def test_what_fsdp_ranks_cannot_train_is_refused_in_one_line(
     assert "\n" not in str(info.value)
 
 
-def test_diffusion_nft_with_fsdp_ranks_is_refused() -> None:
-    config = load_recipe("tiny_diffusion_nft", ["diffusion.fsdp_ranks=2"])
-    with pytest.raises(ConfigError, match="runs flow_grpo only"):
-        check_recipe(config)
+def test_diffusion_nft_takes_fsdp_ranks_and_sft_is_refused() -> None:
+    """diffusion_nft trains data-parallel through miles run; mode: sft and DiffusionNFT with sequence
+    parallelism are refused in one line."""
+    check_recipe(load_recipe("tiny_diffusion_nft", ["diffusion.fsdp_ranks=2"]))
+    from miles_diffusion.sft_checks import check_supervised_recipe
+
+    with pytest.raises(ConfigError, match="tested with flow_grpo only") as info:
+        check_recipe(
+            load_recipe("tiny_diffusion_nft", ["diffusion.fsdp_ranks=2", "diffusion.sequence_parallel=2"])
+        )
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"cannot run diffusion\.fsdp_ranks above 1") as info:
+        check_supervised_recipe(load_recipe("tiny_sft", ["diffusion.fsdp_ranks=2"]))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.extended
+def test_two_fsdp_ranks_train_the_one_process_nft_step_through_miles_run(tmp_path: Path) -> None:
+    """``miles run tiny_diffusion_nft --set diffusion.fsdp_ranks=2``: the first step's statistics equal
+    the one-process run's within 1e-5."""
+
+    def first(out: Path, ranks: int) -> dict[str, float]:
+        overrides = [
+            f"run.output_dir={out}",
+            "run.num_steps=1",
+            "tracking.console=false",
+            f"diffusion.fsdp_ranks={ranks}",
+        ]
+        _miles("run", "tiny_diffusion_nft", *(a for o in overrides for a in ("--set", o)))
+        return _rows(out / "tiny_diffusion_nft")[0]
+
+    one, two = first(tmp_path / "one", 1), first(tmp_path / "two", 2)
+    keys = [k for k in one if k.startswith("train/") and not k.startswith("train/time")]
+    assert "train/loss" in keys and "train/grad_norm" in keys
+    for key in keys:
+        assert two[key] == pytest.approx(one[key], rel=TOL, abs=TOL), key
 
 
 def _standard_first_step(name: str) -> dict[str, float]:

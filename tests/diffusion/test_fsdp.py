@@ -1,8 +1,9 @@
-"""FSDP2 data-parallel Flow-GRPO training (miles_diffusion.fsdp) on CPU over gloo, with two spawned ranks.
+"""FSDP2 data-parallel training (miles_diffusion.fsdp) on CPU over gloo, with two spawned ranks.
 
-One ``train_step`` of the tiny UNet, sharded over two ranks that each re-score half of a fixed set of
-trajectories on the same steps, leaves the same parameters as the one-process trainer's step on the
-same trajectories; on the SD3 proxy only the transformer is sharded and trains, the text encoders and
+One Flow-GRPO ``train_step`` of the tiny UNet, sharded over two ranks that each re-score half of a
+fixed set of trajectories on the same steps, leaves the same parameters as the one-process trainer's
+step on the same trajectories; so do one DiffusionNFT ``train_on_rollout`` and one SFT
+``train_on_batch`` (every rank drawing the whole batch's noise levels and noise, training half); on the SD3 proxy only the transformer is sharded and trains, the text encoders and
 the VAE stay whole, frozen and without gradients.
 """
 
@@ -20,9 +21,11 @@ from torch.distributed.tensor import DTensor
 from miles_diffusion.flow_grpo import FlowGRPOConfig, group_advantages
 from miles_diffusion.fsdp import DataParallel, data_parallel, denoiser_blocks, mixed_precision_options
 from miles_diffusion.model import TinyFlowModelConfig, build_tiny_model
-from miles_diffusion.objectives import TrainerConfig
+from miles_diffusion.nft import DiffusionNFTConfig, DiffusionNFTTrainer
+from miles_diffusion.objectives import ImageBatch, Rollout, TrainerConfig
 from miles_diffusion.precision import PrecisionConfig
 from miles_diffusion.sampler import SamplerConfig, Trajectory, sample
+from miles_diffusion.sft import SFTConfig, SFTTrainer
 from miles_diffusion.trainer import FlowGRPOTrainer
 from miles_fsdp.ranks import free_port
 
@@ -32,6 +35,8 @@ TRAINER = TrainerConfig(lr=1e-3, steps_per_update=2)
 OBJECTIVE = FlowGRPOConfig(clip_range=0.2, kl_coef=0.1)
 STEPS = [3, 0, 2]  # two optimizer updates: steps 3 and 0, then step 2
 SD3_PROMPTS = ("a photo of a red apple", "a lighthouse at dusk")
+NFT = DiffusionNFTConfig(beta=0.5, timesteps_per_iteration=3)  # two updates: draws 1-2, then draw 3
+SFT = SFTConfig(updates_per_iteration=2)
 
 
 def _fixed_rollout() -> tuple[Trajectory, torch.Tensor]:
@@ -44,7 +49,52 @@ def _fixed_rollout() -> tuple[Trajectory, torch.Tensor]:
     return trajectory, group_advantages(rewards, 4)
 
 
-def _record_first_update(trainer: FlowGRPOTrainer, grads: dict[str, torch.Tensor]) -> None:
+def _fixed_images() -> ImageBatch:
+    """6 images (an uneven split over 2 ranks is not needed: 3 each) and their prompt ids."""
+    generator = torch.Generator().manual_seed(11)
+    config = TinyFlowModelConfig()
+    images = torch.rand(6, config.channels, config.image_size, config.image_size, generator=generator) * 2 - 1
+    return ImageBatch(images, torch.tensor([0, 1, 2, 3, 0, 1]))
+
+
+def _nft_sft_steps(place: object | None = None) -> dict[str, Any]:
+    """One DiffusionNFT ``train_on_rollout`` and one SFT ``train_on_batch`` of the seed-0 tiny UNet,
+    one process (``place`` None) or data-parallel over the process group, in float64: in float32 the
+    two orders of the batch's sums differ by up to ~4e-6 of a tensor's largest gradient entry (the
+    small-gradient norm and bias tensors), in float64 by ~5e-15, so float64 shows the split exact."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _objective_steps(place)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _objective_steps(place: object | None) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    trajectory, advantages = _fixed_rollout()
+    rollout = Rollout(trajectory, torch.zeros(advantages.shape[0]), 4, advantages=advantages)
+    trainers: dict[str, Any] = {
+        "nft": DiffusionNFTTrainer(build_tiny_model(TinyFlowModelConfig(), 0), NFT, TRAINER),
+        "sft": SFTTrainer(build_tiny_model(TinyFlowModelConfig(), 0), SFT, TRAINER),
+    }
+    for name, trainer in trainers.items():
+        if place is not None:
+            assert data_parallel(trainer) == place
+            assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
+        grads: dict[str, torch.Tensor] = {}
+        _record_first_update(trainer, grads)
+        generator = torch.Generator().manual_seed(5)
+        if name == "nft":
+            stats = trainer.train_on_rollout(rollout, generator)
+        else:
+            stats = trainer.train_on_batch(_fixed_images(), generator)
+        state = {k: _full(v) for k, v in trainer.model.state_dict().items()}
+        report[name] = {"state": state, "stats": stats, "grads": grads}
+    return report
+
+
+def _record_first_update(trainer: Any, grads: dict[str, torch.Tensor]) -> None:
     """Keep the gradients the first optimizer update takes (after clipping), whole."""
     step = trainer.optimizer.step
 
@@ -84,10 +134,11 @@ def _rank(rank: int, port: int, proxy: str, out: str) -> None:
     _init(rank, port)
     try:
         unet = _unet_step(rank)
+        objectives = _nft_sft_steps(DataParallel(rank, WORLD))
         sd3 = _sd3_report(proxy)
         bf16 = _bf16_report()
         if rank == 0:
-            torch.save({"unet": unet, "sd3": sd3, "bf16": bf16}, out)
+            torch.save({"unet": unet, "sd3": sd3, "bf16": bf16, **objectives}, out)
     finally:
         dist.destroy_process_group()
 
@@ -186,23 +237,40 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return report
 
 
-def test_two_ranks_take_the_one_process_step(ranks: dict[str, Any]) -> None:
-    expected = _one_process_step()
-    got = ranks["unet"]
+def _assert_same_step(
+    got: dict[str, Any], expected: dict[str, Any], lr: float, grad_tol: float = 2e-6
+) -> None:
     assert sorted(got["state"]) == sorted(expected["state"])
-    # The summed gradient is the one-process gradient up to float32 rounding (the batch's sums run
-    # in another order): within 2e-6 of each tensor's largest entry.
+    # The summed gradient is the one-process gradient up to rounding (the batch's sums run in another
+    # order): in float32 within 2e-6 of each tensor's largest entry.
     assert sorted(got["grads"]) == sorted(expected["grads"])
     for name, grad in expected["grads"].items():
         scale = float(grad.abs().max())
-        torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=2e-6 * scale + 1e-12, msg=name)
+        atol = grad_tol * scale + 1e-12
+        torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=atol, msg=name)
     # Parameters: AdamW divides each entry's gradient by its own magnitude, so an entry whose
     # gradient is near zero (a few hundred of 165k are below 1e-7) turns that rounding into a
     # visible difference of its update; bounded by 1% of one update's size (lr).
     for name, value in expected["state"].items():
-        torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-2 * TRAINER.lr, msg=name)
+        torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-2 * lr, msg=name)
+    assert sorted(got["stats"]) == sorted(expected["stats"])
     for key, value in expected["stats"].items():
         assert got["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_two_ranks_take_the_one_process_step(ranks: dict[str, Any]) -> None:
+    _assert_same_step(ranks["unet"], _one_process_step(), TRAINER.lr)
+
+
+def test_two_ranks_take_the_one_process_nft_and_sft_steps(ranks: dict[str, Any]) -> None:
+    """DiffusionNFT's and SFT's steps over two ranks (each training half the rows on the whole batch's
+    draws) are the one-process steps: in float64, gradients within 1e-12 of each tensor's largest
+    entry, parameters and statistics within Flow-GRPO's bounds."""
+    expected = _nft_sft_steps()
+    for name in ("nft", "sft"):
+        assert expected[name]["grads"], name
+        assert all(g.dtype is torch.float64 for g in expected[name]["grads"].values())
+        _assert_same_step(ranks[name], expected[name], TRAINER.lr, grad_tol=1e-12)
 
 
 def test_sd3_shards_the_transformer_only(ranks: dict[str, Any]) -> None:
@@ -214,13 +282,26 @@ def test_sd3_shards_the_transformer_only(ranks: dict[str, Any]) -> None:
     assert report["frozen_unchanged"] and report["loss_finite"]
 
 
-def test_the_driver_option_is_for_flow_grpo_only() -> None:
+def test_the_driver_option_takes_every_objective() -> None:
+    """fsdp_ranks trains Flow-GRPO, DiffusionNFT and SFT; sequence parallelism stays Flow-GRPO's, LoRA
+    one rank's; a trainer that is not tested with it is refused by data_parallel too."""
     from miles_diffusion.recipe import recipe_from_dict
 
     base = {"name": "x", "evidence_level": "not verified"}
     assert recipe_from_dict({**base, "trainer": {"fsdp_ranks": 2}}).trainer.fsdp_ranks == 2
-    with pytest.raises(ValueError, match="flow_grpo only"):
-        recipe_from_dict({**base, "trainer": {"fsdp_ranks": 2}, "objective": {"name": "diffusion_nft"}})
+    for name in ("diffusion_nft", "sft"):
+        recipe = recipe_from_dict({**base, "trainer": {"fsdp_ranks": 2}, "objective": {"name": name}})
+        assert recipe.trainer.fsdp_ranks == 2
+    sp = {"fsdp_ranks": 2, "sequence_parallel": 2}
+    with pytest.raises(ValueError, match="tested with flow_grpo only"):
+        recipe_from_dict({**base, "model": "builtin:tiny-wan", "trainer": sp, "objective": {"name": "sft"}})
+    with pytest.raises(ValueError, match="one rank only"):
+        recipe_from_dict({**base, "trainer": {"fsdp_ranks": 2}, "lora": {"rank": 4}})
+    nft = DiffusionNFTTrainer(build_tiny_model(TinyFlowModelConfig(), 0), NFT, TRAINER)
+    with pytest.raises(ValueError, match="not tested with sequence_parallel 2"):
+        data_parallel(nft, sequence_parallel=2)
+    with pytest.raises(TypeError, match="does not train data-parallel"):
+        data_parallel(object())
     with pytest.raises(ValueError, match="at least 1"):
         recipe_from_dict({**base, "trainer": {"fsdp_ranks": 0}})
 

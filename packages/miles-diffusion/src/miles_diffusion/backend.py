@@ -29,7 +29,7 @@ family's model (SD3, Wan) the adapter wraps the transformer (the only part that 
 In ``mode: sft`` (``algorithm.loss: diffusion_sft``) it trains flow matching on the image samples the
 core's supervised stage hands it instead (:mod:`miles_diffusion.supervised`): no engines, no transport.
 
-With ``diffusion.fsdp_ranks: N`` above 1 (Flow-GRPO, full weights) the backend trains data-parallel
+With ``diffusion.fsdp_ranks: N`` above 1 (Flow-GRPO or DiffusionNFT, full weights) the backend trains data-parallel
 with FSDP2: it starts N local rank processes through miles-fsdp's own rank group
 (:class:`miles_fsdp.ranks.ProcessRanks`, gloo on the CPU, 127.0.0.1 and a free port), each building
 this backend on its rank (:func:`rank_trainer`) with its denoiser sharded by
@@ -250,15 +250,21 @@ class DiffusionBackend:
     def _shard(self, objective: object) -> None:
         """This rank's share: the objective's model sharded with FSDP2, its optimizer rebuilt over the
         shards (:func:`miles_diffusion.fsdp.data_parallel`)."""
-        from miles_diffusion.fsdp import data_parallel
-        from miles_diffusion.trainer import FlowGRPOTrainer
+        from miles_diffusion.fsdp import DataParallelTrainer, data_parallel
 
-        if not isinstance(objective, FlowGRPOTrainer) or self._lora is not None:
+        if (
+            not isinstance(objective, DataParallelTrainer)
+            or self._lora is not None
+            or self._supervised is not None
+        ):
             raise ConfigError(
-                f"{WHO}: diffusion.fsdp_ranks > 1 trains flow_grpo on full weights only (not LoRA, "
-                "diffusion_nft or sft)"
+                f"{WHO}: diffusion.fsdp_ranks > 1 trains flow_grpo and diffusion_nft on full weights only "
+                "(not LoRA or mode: sft)"
             )
-        data_parallel(objective, sequence_parallel=self._sequence_parallel)
+        try:
+            data_parallel(objective, sequence_parallel=self._sequence_parallel)
+        except ValueError as exc:
+            raise ConfigError(f"{WHO}: {exc}") from None
 
     def _serve_adapter(self, transport: Transport) -> None:
         """LoRA: the engines merge the initial adapter (B = 0: the base, unchanged) and learn its shape.

@@ -192,7 +192,8 @@ def _refuse_unwired(config: Any) -> None:
 
 
 def _check_fsdp_ranks(config: Any) -> None:
-    """``diffusion.fsdp_ranks`` above 1 trains Flow-GRPO's full weights data-parallel; the rest is refused."""
+    """``diffusion.fsdp_ranks`` above 1 trains Flow-GRPO's or DiffusionNFT's full weights data-parallel
+    (sequence parallelism: Flow-GRPO's only); the rest (LoRA, ``mode: sft``) is refused."""
     section = getattr(config, "diffusion", None)
     ranks = int(getattr(section, "fsdp_ranks", 1))
     degree = int(getattr(section, "sequence_parallel", 1))
@@ -205,10 +206,15 @@ def _check_fsdp_ranks(config: Any) -> None:
         return
     loss = load_component("loss", config.algorithm.loss) if config.algorithm.loss else None
     name = getattr(loss, "objective", None)
-    if config.mode != "rl" or name != "flow_grpo":
+    if config.mode != "rl" or name not in ("flow_grpo", "diffusion_nft"):
         raise ConfigError(
-            f"diffusion.fsdp_ranks {ranks}: data-parallel training runs flow_grpo only (not {name or config.mode}); "
-            "set diffusion.fsdp_ranks: 1"
+            f"diffusion.fsdp_ranks {ranks}: data-parallel training runs flow_grpo and diffusion_nft "
+            f"(mode: rl) only (not {name or config.mode}); set diffusion.fsdp_ranks: 1"
+        )
+    if degree > 1 and name != "flow_grpo":
+        raise ConfigError(
+            f"diffusion.sequence_parallel {degree}: sequence parallelism is tested with flow_grpo only "
+            f"(not {name}); set diffusion.sequence_parallel: 1"
         )
     if config.lora is not None:
         raise ConfigError(

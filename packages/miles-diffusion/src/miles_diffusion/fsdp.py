@@ -15,10 +15,12 @@ The recipe's ``precision`` section maps onto FSDP2's ``MixedPrecisionPolicy``
 gradient reduction stays float32, and each module named in ``fp32_modules`` is sharded first under a
 float32 policy of its own, so its parameters are gathered in float32 as well.
 
-:func:`data_parallel` makes a :class:`~miles_diffusion.trainer.FlowGRPOTrainer` run data-parallel: the
-model sharded, the optimizer rebuilt over the sharded parameters, and each rank re-scoring its share
-of the trajectories (the same seeded subset of steps on every rank). With ``sequence_parallel`` S above
-1 the ranks form groups of S neighbours that re-score the same rows, each on 1/S of the token sequence
+:func:`data_parallel` makes an objective's trainer (any :class:`DataParallelTrainer`: Flow-GRPO,
+DiffusionNFT, SFT) run data-parallel: the model sharded, the optimizer rebuilt over the sharded
+parameters, and each rank training its share of the rows (:meth:`DataParallel.share`) on the same
+seeded draws as every other rank (the same subset of steps, the same noise levels and noise).
+With ``sequence_parallel`` S above 1 (a trainer with ``splits_sequences``: Flow-GRPO) the ranks form
+groups of S neighbours that re-score the same rows, each on 1/S of the token sequence
 (:mod:`miles_diffusion.sequence_parallel`); the data-parallel share is then per group. Tested on CPU
 over gloo only.
 """
@@ -26,7 +28,7 @@ over gloo only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,8 @@ from miles_fsdp.models import shard
 
 __all__ = [
     "DataParallel",
+    "DataParallelTrainer",
+    "Share",
     "data_parallel",
     "denoiser_blocks",
     "mixed_precision_options",
@@ -84,6 +88,67 @@ class DataParallel:
         tensor = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return [float(v) for v in tensor]
+
+    def share(self, batch: int) -> Share:
+        """This rank's :class:`Share` of a batch of ``batch`` rows."""
+        rows = self.rows(batch)
+        return Share(rows, (rows.stop - rows.start) / batch, self)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A rank's rows of a batch and their fraction of it; ``place`` ``None``: one process, all rows.
+
+    Every objective's loss is a mean over its rows: :meth:`weigh` multiplies it by ``fraction``, so the
+    ranks' gradients, which FSDP2 sums, are the whole batch's; :meth:`batch_means` turns the rank's
+    per-row means back into the whole batch's (one all-reduce). In one process both are the identity,
+    so the one-process step is unchanged bit for bit."""
+
+    rows: slice
+    fraction: float
+    place: DataParallel | None = None
+
+    @classmethod
+    def of(cls, place: DataParallel | None, batch: int) -> Share:
+        """``place``'s share of ``batch`` rows, or all of them in one process."""
+        return place.share(batch) if place is not None else cls(slice(0, batch), 1.0)
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The share's rows of a per-row ``tensor`` (the tensor itself in one process)."""
+        return tensor if self.place is None else tensor[self.rows]
+
+    def weigh(self, loss: torch.Tensor) -> torch.Tensor:
+        """A mean over the share's rows, weighted by its fraction of the batch (unchanged in one process)."""
+        return loss if self.place is None else loss * self.fraction
+
+    def batch_means(self, means: dict[str, float]) -> dict[str, float]:
+        """Per-row means over the share, as the whole batch's means (unchanged in one process)."""
+        if self.place is None:
+            return means
+        keys = sorted(means)
+        summed = self.place.all_reduce_sum([means[key] * self.fraction for key in keys])
+        return dict(zip(keys, summed, strict=True))
+
+
+def full_norm(norm: torch.Tensor) -> float:
+    """A gradient norm from ``clip_grad_norm_``, whole: over FSDP2 shards it is a DTensor."""
+    if hasattr(norm, "full_tensor"):  # a DTensor over the ranks' gradient shards
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+@runtime_checkable
+class DataParallelTrainer(Protocol):
+    """What :func:`data_parallel` needs of an objective's trainer: its model (sharded in place), its
+    optimizer (rebuilt over the shards from ``config``), and ``data_parallel``, the place it trains
+    its share from (``None``: one process). ``splits_sequences``: whether it is tested with sequence
+    parallelism (``sequence_parallel`` above 1)."""
+
+    splits_sequences: ClassVar[bool]
+    model: DiffusionModel
+    config: Any
+    optimizer: torch.optim.Optimizer
+    data_parallel: DataParallel | None
 
 
 def trainable_module(model: DiffusionModel) -> nn.Module:
@@ -147,16 +212,20 @@ def shard_model(
 def data_parallel(
     trainer: object, precision: PrecisionConfig | None = None, sequence_parallel: int = 1
 ) -> DataParallel:
-    """Make ``trainer`` (a :class:`~miles_diffusion.trainer.FlowGRPOTrainer`, built on the whole model)
-    train data-parallel over the default process group: its model sharded (:func:`shard_model`), its
+    """Make ``trainer`` (a :class:`DataParallelTrainer`: Flow-GRPO, DiffusionNFT or SFT, built on the
+    whole model) train data-parallel over the default process group: its model sharded (:func:`shard_model`), its
     optimizer rebuilt over the sharded parameters, its steps split by rows. ``sequence_parallel`` S
     above 1: groups of S neighbouring ranks share rows and split the token sequence (its transformer's
     forward parallelised first). A frozen reference model (``kl_coef > 0``) was copied whole before
     sharding and stays so. Returns this rank's place."""
-    from miles_diffusion.trainer import FlowGRPOTrainer, make_optimizer
+    from miles_diffusion.trainer import make_optimizer
 
-    if not isinstance(trainer, FlowGRPOTrainer):
-        raise TypeError(f"data_parallel trains a FlowGRPOTrainer, not {type(trainer).__name__}")
+    if not isinstance(trainer, DataParallelTrainer):
+        raise TypeError(f"data_parallel: {type(trainer).__name__} does not train data-parallel")
+    if sequence_parallel > 1 and not trainer.splits_sequences:
+        raise ValueError(
+            f"data_parallel: {type(trainer).__name__} is not tested with sequence_parallel {sequence_parallel}"
+        )
     if not dist.is_initialized():
         raise RuntimeError("data_parallel needs an initialised process group (torch.distributed)")
     place = DataParallel.current()

@@ -30,6 +30,7 @@ import torch
 
 from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.flow_grpo import group_advantages
+from miles_diffusion.fsdp import DataParallel, Share, full_norm
 from miles_diffusion.model import forward_noise, velocity_target
 from miles_diffusion.objectives import Rollout, TrainerConfig
 from miles_diffusion.trainer import make_optimizer
@@ -103,13 +104,22 @@ def nft_loss(
 
 class DiffusionNFTTrainer:
     """Trains on the images of a rollout; the sampling policy's velocities are taken from the model
-    as it is when the iteration starts (the sampler used those weights), before any update."""
+    as it is when the iteration starts (the sampler used those weights), before any update.
+
+    Data-parallel (:attr:`data_parallel` set by :func:`miles_diffusion.fsdp.data_parallel`), every
+    rank gets the whole rollout, draws the noise levels and noise of the whole batch from the same
+    generator, trains its share of the rows and returns the statistics of the whole batch."""
+
+    splits_sequences: ClassVar[bool] = False
+    """Not tested with sequence parallelism."""
 
     def __init__(self, model: DiffusionModel, objective: DiffusionNFTConfig, config: TrainerConfig) -> None:
         self.model = model
         self.objective = objective
         self.config = config
         self.optimizer = make_optimizer(model, config)
+        self.data_parallel: DataParallel | None = None
+        """Set by :func:`miles_diffusion.fsdp.data_parallel`: this rank's share of each batch."""
 
     def train_on_rollout(self, rollout: Rollout, generator: torch.Generator) -> dict[str, float]:
         cfg = self.objective
@@ -121,13 +131,17 @@ class DiffusionNFTTrainer:
             r = optimality_probability(rollout.rewards, rollout.group_size, cfg.adv_clip_max, cfg.eps)
         self.model.train()
         batch = images.shape[0]
+        share = Share.of(self.data_parallel, batch)
+        mine, prompts, r_mine = share.take(images), share.take(prompts), share.take(r)
         draws: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():  # every v_old before the first update: the policy that sampled
             for _ in range(cfg.timesteps_per_iteration):
+                # the whole batch's draws on every rank (the one-process draws), then this rank's rows
                 t = cfg.t_min + (cfg.t_max - cfg.t_min) * torch.rand(batch, generator=generator)
                 noise = torch.randn(images.shape, generator=generator)
-                x_t = forward_noise(images, noise, t)
-                draws.append((x_t, t, velocity_target(images, noise), self.model(x_t, t, prompts)))
+                t, noise = share.take(t), share.take(noise)
+                x_t = forward_noise(mine, noise, t)
+                draws.append((x_t, t, velocity_target(mine, noise), self.model(x_t, t, prompts)))
         totals = {"loss": 0.0, "positive_loss": 0.0, "negative_loss": 0.0}
         grad_norms: list[float] = []
         chunk = self.config.steps_per_update
@@ -135,15 +149,16 @@ class DiffusionNFTTrainer:
             group = draws[start : start + chunk]
             self.optimizer.zero_grad(set_to_none=True)
             for x_t, t, target, v_old in group:
-                out = nft_loss(self.model(x_t, t, prompts), v_old, target, r, cfg.beta)
-                (out.loss / len(group)).backward()
+                out = nft_loss(self.model(x_t, t, prompts), v_old, target, r_mine, cfg.beta)
+                (share.weigh(out.loss) / len(group)).backward()
                 totals["loss"] += float(out.loss.detach())
                 totals["positive_loss"] += float(out.positive)
                 totals["negative_loss"] += float(out.negative)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            grad_norms.append(float(norm))
+            grad_norms.append(full_norm(norm))
             self.optimizer.step()
         self.model.eval()
+        totals = share.batch_means(totals)
         stats = {key: value / len(draws) for key, value in totals.items()}
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         stats["optimality/mean"] = float(r.mean())

@@ -80,10 +80,10 @@ class DiffusionRecipe:
                 "trainer.sequence_parallel: the tiny UNet has no token sequence to split; "
                 "sequence parallelism is for a model directory's transformer (wan)"
             )
-        if self.trainer.fsdp_ranks > 1 and self.objective.name != FlowGRPOConfig.name:
+        if self.trainer.sequence_parallel > 1 and self.objective.name != FlowGRPOConfig.name:
             raise ValueError(
-                f"trainer.fsdp_ranks: FSDP2 data-parallel training is for flow_grpo only so far, "
-                f"not {self.objective.name!r}"
+                f"trainer.sequence_parallel: sequence parallelism is tested with flow_grpo only, "
+                f"not {self.objective.name!r}; set trainer.sequence_parallel: 1"
             )
 
 

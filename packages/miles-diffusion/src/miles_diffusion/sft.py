@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from miles_diffusion.denoiser import DiffusionModel
+from miles_diffusion.fsdp import DataParallel, Share, full_norm
 from miles_diffusion.model import flow_matching_error
 from miles_diffusion.objectives import ImageBatch, TrainerConfig
 from miles_diffusion.trainer import make_optimizer
@@ -38,30 +39,45 @@ class SFTConfig:
 
 
 class SFTTrainer:
+    """Flow matching on given images. Data-parallel (:attr:`data_parallel` set by
+    :func:`miles_diffusion.fsdp.data_parallel`), every rank gets the whole batch, draws the noise
+    levels and noise of the whole batch from the same generator, trains its share of the rows and
+    returns the statistics of the whole batch."""
+
+    splits_sequences: ClassVar[bool] = False
+    """Not tested with sequence parallelism."""
+
     def __init__(self, model: DiffusionModel, objective: SFTConfig, config: TrainerConfig) -> None:
         self.model = model
         self.objective = objective
         self.config = config
         self.optimizer = make_optimizer(model, config)
+        self.data_parallel: DataParallel | None = None
+        """Set by :func:`miles_diffusion.fsdp.data_parallel`: this rank's share of each batch."""
 
     def train_on_batch(self, batch: ImageBatch, generator: torch.Generator) -> dict[str, float]:
         cfg = self.objective
         self.model.train()
+        size = batch.images.shape[0]
+        share = Share.of(self.data_parallel, size)
+        images, prompts = share.take(batch.images), share.take(batch.prompts)
         losses: list[float] = []
         grad_norms: list[float] = []
         for _ in range(cfg.updates_per_iteration):
-            size = batch.images.shape[0]
+            # the whole batch's draws on every rank (the one-process draws), then this rank's rows
             t = cfg.t_min + (cfg.t_max - cfg.t_min) * torch.rand(size, generator=generator)
             noise = torch.randn(batch.images.shape, generator=generator)
+            t, noise = share.take(t), share.take(noise)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = flow_matching_error(self.model, batch.images, batch.prompts, noise, t).mean()
-            loss.backward()
+            loss = flow_matching_error(self.model, images, prompts, noise, t).mean()
+            share.weigh(loss).backward()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             self.optimizer.step()
             losses.append(float(loss.detach()))
-            grad_norms.append(float(norm))
+            grad_norms.append(full_norm(norm))
         self.model.eval()
-        return {"loss": sum(losses) / len(losses), "grad_norm": sum(grad_norms) / len(grad_norms)}
+        stats = share.batch_means({"loss": sum(losses) / len(losses)})
+        return {"loss": stats["loss"], "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
 @torch.no_grad()

@@ -51,6 +51,10 @@ def check_supervised_recipe(config: Any) -> None:
         (config.lora is not None, "lora (LoRA is wired for the rollout path only)"),
         (config.placement.launcher != "local", "placement.launcher 'ray' (the backend is one local process)"),
         (
+            int(getattr(getattr(config, "diffusion", None), "fsdp_ranks", 1)) > 1,
+            "diffusion.fsdp_ranks above 1 (data-parallel SFT runs in the package driver only, trainer.fsdp_ranks)",
+        ),
+        (
             "max_length" in config.sft.model_fields_set,
             "sft.max_length (it truncates tokens; images have none)",
         ),

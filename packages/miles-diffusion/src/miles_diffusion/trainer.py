@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from miles_diffusion.denoiser import DiffusionModel
 from miles_diffusion.flow_grpo import FlowGRPOConfig, flow_grpo_step_loss, group_advantages
+from miles_diffusion.fsdp import Share, full_norm
 from miles_diffusion.guidance import NO_GUIDANCE, check_model
 from miles_diffusion.objectives import Rollout, TrainerConfig
 from miles_diffusion.sampler import Trajectory, step_distribution, step_log_prob
@@ -46,6 +47,9 @@ def choose_steps(num_steps: int, fraction: float, generator: torch.Generator) ->
 
 
 class FlowGRPOTrainer:
+    splits_sequences: ClassVar[bool] = True
+    """Tested with sequence parallelism (:func:`miles_diffusion.fsdp.data_parallel`)."""
+
     def __init__(
         self,
         model: DiffusionModel,
@@ -103,18 +107,14 @@ class FlowGRPOTrainer:
 
         Data-parallel (:attr:`data_parallel` set), every rank gets the whole batch and the same
         ``steps``, trains its share of the rows and returns the statistics of the whole batch."""
-        share: float | None = None
-        if self.data_parallel is not None:
-            batch = trajectory.latents.shape[0]
-            rows = self.data_parallel.rows(batch)
-            trajectory = replace(
-                trajectory,
-                latents=trajectory.latents[rows],
-                log_probs=trajectory.log_probs[rows],
-                prompts=trajectory.prompts[rows],
-            )
-            advantages = advantages[rows]
-            share = trajectory.latents.shape[0] / batch
+        share = Share.of(self.data_parallel, trajectory.latents.shape[0])
+        trajectory = replace(
+            trajectory,
+            latents=share.take(trajectory.latents),
+            log_probs=share.take(trajectory.log_probs),
+            prompts=share.take(trajectory.prompts),
+        )
+        advantages = share.take(advantages)
         self.model.train()
         totals = {"loss": 0.0, "clip_fraction": 0.0, "approx_kl_old": 0.0, "kl_ref": 0.0}
         grad_norms: list[float] = []
@@ -135,22 +135,16 @@ class FlowGRPOTrainer:
                 )
                 # Each loss term is a mean over the rows: weighted by the rank's share of the batch,
                 # the ranks' losses sum to the whole batch's (FSDP2 sums the gradients).
-                loss = out.loss if share is None else out.loss * share
-                (loss / len(group)).backward()
+                (share.weigh(out.loss) / len(group)).backward()
                 totals["loss"] += float(out.loss.detach())
                 totals["clip_fraction"] += float(out.clip_fraction)
                 totals["approx_kl_old"] += float(out.approx_kl_old)
                 totals["kl_ref"] += float(out.kl_ref)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            if hasattr(norm, "full_tensor"):  # a DTensor over the ranks' gradient shards
-                norm = norm.full_tensor()
-            grad_norms.append(float(norm))
+            grad_norms.append(full_norm(norm))
             self.optimizer.step()
         self.model.eval()
-        if self.data_parallel is not None and share is not None:
-            keys = sorted(totals)
-            summed = self.data_parallel.all_reduce_sum([totals[key] * share for key in keys])
-            totals = dict(zip(keys, summed, strict=True))
+        totals = share.batch_means(totals)
         stats = {key: value / len(steps) for key, value in totals.items()}
         stats["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return stats
