@@ -88,6 +88,17 @@ def test_every_error_the_server_answers_is_documented_with_its_body(qwen3, engin
         state.max_seq_len = 3  # shorter than any prompt: the turn cannot run
         exhausted = check(CHAT, "post", httpx.post(chat, json={"messages": history}))
         assert exhausted.status_code == 400 and exhausted.json()["error"]["type"] == "context_length_exceeded"
+        # With no limit of its own, the server passes the engine's refusal of a prompt longer than the
+        # model's context (HTTP 400 there) on as the request's fault: 400, not an engine failure.
+        state.max_seq_len = None
+        fresh = httpx.post(f"{url}/sessions").json()["id"]
+        too_long = {"messages": [{"role": "user", "content": " hello" * 5000}]}
+        rejected = check(
+            CHAT, "post", httpx.post(f"{url}/sessions/{fresh}/v1/chat/completions", json=too_long, timeout=60)
+        )
+        assert rejected.status_code == 400, rejected.text
+        assert rejected.json()["error"]["type"] == "engine_rejected_request"
+        assert "context" in rejected.json()["error"]["message"]
         state.store.max_sessions = len(state.store)
         assert check("/sessions", "post", httpx.post(f"{url}/sessions")).status_code == 409
         assert (

@@ -25,6 +25,11 @@ class EngineError(MilesError):
     """A rollout engine could not start, or answered with an error."""
 
 
+class EngineRejected(EngineError):
+    """An engine answered HTTP 400: it refused the request as given (a prompt longer than its
+    context, a setting it does not take). The request is at fault, not the engine."""
+
+
 class RunDirError(MilesError):
     """The run directory holds earlier results that would be overwritten."""
 

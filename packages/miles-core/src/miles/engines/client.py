@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import httpx
 
-from miles.errors import EngineError
+from miles.errors import EngineError, EngineRejected
 from miles.types import GenerateOutput, SamplingParams
 
 if TYPE_CHECKING:
@@ -599,7 +599,8 @@ def _error_message_from(status: int, content: bytes) -> str:
 
 def _decode_body(status: int, content: bytes, url: str, call: EngineCall) -> Any:
     if status >= 400:
-        raise EngineError(f"engine {url}{call.path}: HTTP {status}: {_error_message_from(status, content)}")
+        kind = EngineRejected if status == 400 else EngineError
+        raise kind(f"engine {url}{call.path}: HTTP {status}: {_error_message_from(status, content)}")
     if not content:
         return None
     text = content.decode("utf-8", "replace")

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from miles.engines.router import Router
-from miles.errors import EngineError
+from miles.errors import EngineError, EngineRejected
 from miles.interfaces import EngineClient
 from miles.types import GenerateOutput, Prompt, SamplingParams, Status
 from miles_envs.families import FamilyError
@@ -240,6 +240,15 @@ def create_app(state: ServerState) -> FastAPI:
             status_code=502, content={"error": {"message": f"engine: {exc}", "type": "engine_error"}}
         )
 
+    @app.exception_handler(EngineRejected)
+    async def engine_rejected(_: Request, exc: EngineRejected) -> JSONResponse:
+        # The engine refused this turn as the agent's request made it (e.g. a conversation longer
+        # than the model's context): the request's fault, answered 400 with the engine's reason.
+        return JSONResponse(
+            status_code=400,
+            content={"error": {"message": f"engine: {exc}", "type": "engine_rejected_request"}},
+        )
+
     @app.exception_handler(TemplateKwargsError)
     async def template_kwargs_error(_: Request, exc: TemplateKwargsError) -> JSONResponse:
         # The request asks for a template variable this family's template does not take.
@@ -325,7 +334,7 @@ def create_app(state: ServerState) -> FastAPI:
 
         async def generate(input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
             # The session id is the routing key: every turn goes where its prefix is. An
-            # EngineError is answered 502 (``engine_error``).
+            # EngineError is answered 502 (``engine_error``), EngineRejected 400.
             async with state.routes.request(session_id, sticky=True) as route:
                 if state.return_routed_experts:
                     return await route.generate(input_ids, sampling, return_routed_experts=True)
