@@ -29,6 +29,8 @@ from miles_diffusion.sft import SFTConfig, SFTTrainer
 from miles_diffusion.trainer import FlowGRPOTrainer
 from miles_fsdp.ranks import free_port
 
+from ._step_checks import full, record_first_update
+
 WORLD = 2
 SAMPLER = SamplerConfig(num_steps=4, noise_level=0.7)
 TRAINER = TrainerConfig(lr=1e-3, steps_per_update=2)
@@ -83,29 +85,15 @@ def _objective_steps(place: object | None) -> dict[str, Any]:
             assert data_parallel(trainer) == place
             assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
         grads: dict[str, torch.Tensor] = {}
-        _record_first_update(trainer, grads)
+        record_first_update(trainer, grads)
         generator = torch.Generator().manual_seed(5)
         if name == "nft":
             stats = trainer.train_on_rollout(rollout, generator)
         else:
             stats = trainer.train_on_batch(_fixed_images(), generator)
-        state = {k: _full(v) for k, v in trainer.model.state_dict().items()}
+        state = {k: full(v) for k, v in trainer.model.state_dict().items()}
         report[name] = {"state": state, "stats": stats, "grads": grads}
     return report
-
-
-def _record_first_update(trainer: Any, grads: dict[str, torch.Tensor]) -> None:
-    """Keep the gradients the first optimizer update takes (after clipping), whole."""
-    step = trainer.optimizer.step
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        if not grads:
-            grads.update(
-                {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
-            )
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = recording  # type: ignore[method-assign]
 
 
 def _one_process_step() -> dict[str, Any]:
@@ -114,7 +102,7 @@ def _one_process_step() -> dict[str, Any]:
         build_tiny_model(TinyFlowModelConfig(), 0), OBJECTIVE, TRAINER, SAMPLER.noise_level
     )
     grads: dict[str, torch.Tensor] = {}
-    _record_first_update(trainer, grads)
+    record_first_update(trainer, grads)
     stats = trainer.train_step(trajectory, advantages, STEPS)
     state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return {"state": state, "stats": stats, "grads": grads}
@@ -123,11 +111,6 @@ def _one_process_step() -> dict[str, Any]:
 def _init(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
 
 
 def _rank(rank: int, port: int, proxy: str, out: str) -> None:
@@ -153,9 +136,9 @@ def _unet_step(rank: int) -> dict[str, Any]:
     assert trainer.reference is not None
     assert not any(isinstance(p, DTensor) for p in trainer.reference.parameters())
     grads: dict[str, torch.Tensor] = {}
-    _record_first_update(trainer, grads)
+    record_first_update(trainer, grads)
     stats = trainer.train_step(trajectory, advantages, STEPS)
-    state = {k: _full(v) for k, v in model.state_dict().items()}
+    state = {k: full(v) for k, v in model.state_dict().items()}
     return {"state": state, "stats": stats, "grads": grads}
 
 

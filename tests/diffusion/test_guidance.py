@@ -27,6 +27,8 @@ from miles_diffusion.train import resolve_model_dir
 from miles_diffusion.trainer import FlowGRPOTrainer
 from miles_diffusion.wan import WanFlowModel
 
+from ._step_checks import first_step_recorder
+
 PROMPTS = ("a photo of a red apple", "a lighthouse at dusk", "Ünïcode, punctuation & CAPS!")
 W = 4.5
 GUIDED = SamplerConfig(num_steps=4, noise_level=0.7, guidance_scale=W)
@@ -156,19 +158,13 @@ def test_the_guided_step_is_diffusers_step(family: str, request: pytest.FixtureR
     x0 = _noise(model, 1, seed=7)
     seen: dict[str, torch.Tensor] = {}
 
-    def first_step(pipeline: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if i == 0:
-            seen["latents"] = kwargs["latents"].clone()
-        pipeline._interrupt = True  # one step is enough
-        return kwargs
-
     pipe(
         prompt=PROMPTS[1],
         num_inference_steps=4,
         guidance_scale=W,
         latents=x0.clone(),
         output_type="latent",
-        callback_on_step_end=first_step,
+        callback_on_step_end=first_step_recorder(seen),
         callback_on_step_end_tensor_inputs=["latents"],
         **size,
     )

@@ -33,6 +33,7 @@ from ._family_checks import (
     index_copy,
     proxy_fixtures,
 )
+from ._step_checks import first_step_recorder
 
 PROMPTS = ("a red cube on a table", "two cats", "Ünïcode, punctuation & CAPS! 日本語")
 
@@ -146,12 +147,6 @@ def test_guidance_is_the_pipelines_true_cfg(model: QwenImageFlowModel, pipe: Any
     x0 = torch.randn(1, *model.latent_shape, generator=torch.Generator().manual_seed(7))
     seen: dict[str, torch.Tensor] = {}
 
-    def first_step(pipeline: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if i == 0:
-            seen["latents"] = kwargs["latents"].clone()
-        pipeline._interrupt = True  # one step is enough
-        return kwargs
-
     pipe(
         prompt=PROMPTS[2],
         negative_prompt=" ",
@@ -162,7 +157,7 @@ def test_guidance_is_the_pipelines_true_cfg(model: QwenImageFlowModel, pipe: Any
         width=32,
         max_sequence_length=32,
         output_type="latent",
-        callback_on_step_end=first_step,
+        callback_on_step_end=first_step_recorder(seen),
         callback_on_step_end_tensor_inputs=["latents"],
     )
     sigmas = model.timestep_schedule(4)

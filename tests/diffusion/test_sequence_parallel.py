@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
-from torch.distributed.tensor import DTensor
 
 from miles_diffusion.flow_grpo import FlowGRPOConfig, group_advantages
 from miles_diffusion.fsdp import data_parallel
@@ -23,6 +22,8 @@ from miles_diffusion.sampler import SamplerConfig, Trajectory, sample
 from miles_diffusion.sequence_parallel import SequenceSplit, check_sequence_parallel
 from miles_diffusion.trainer import FlowGRPOTrainer
 from miles_fsdp.ranks import free_port
+
+from ._step_checks import record_first_update
 
 pytestmark = pytest.mark.slow
 
@@ -56,11 +57,6 @@ def _rollout(trainer: FlowGRPOTrainer) -> tuple[Trajectory, torch.Tensor]:
     return trajectory, group_advantages(torch.rand(4, generator=generator), 2)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).clone()
-
-
 def _count_tokens(trainer: FlowGRPOTrainer, name: str) -> list[int]:
     """The token count of every call of the family's block after the first (appended as they come)."""
     seen: list[int] = []
@@ -78,16 +74,7 @@ def _count_tokens(trainer: FlowGRPOTrainer, name: str) -> list[int]:
 def _step(trainer: FlowGRPOTrainer, tokens: list[int] | None = None) -> dict[str, Any]:
     trajectory, advantages = _rollout(trainer)
     grads: dict[str, torch.Tensor] = {}
-    step = trainer.optimizer.step
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        if not grads:
-            grads.update(
-                {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
-            )
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = recording  # type: ignore[method-assign]
+    record_first_update(trainer, grads)
     stats = trainer.train_step(trajectory, advantages, STEPS)
     return {"grads": grads, "stats": stats, "tokens": tokens}
 
