@@ -67,6 +67,7 @@ from miles_diffusion.pipeline_parts import (
     seeded_weights,
     start_char_t5_proxy,
     tiny_t5_settings,
+    video_latent_grid,
     write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig
@@ -127,10 +128,10 @@ class LTXFlowModel(VideoLatentsFlowModel):
     @property
     def latent_shape(self) -> tuple[int, ...]:
         vae = self._vae()
-        frames = (self.video["num_frames"] - 1) // int(vae.temporal_compression_ratio) + 1
-        spatial = int(vae.spatial_compression_ratio)
-        channels = int(vae.config.latent_channels)
-        return (channels, frames, self.video["height"] // spatial, self.video["width"] // spatial)
+        grid = video_latent_grid(
+            self.video, int(vae.temporal_compression_ratio), int(vae.spatial_compression_ratio)
+        )
+        return (int(vae.config.latent_channels), *grid)
 
     @property
     def rope_interpolation_scale(self) -> tuple[float, float, float]:

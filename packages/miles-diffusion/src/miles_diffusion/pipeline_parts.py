@@ -124,6 +124,14 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
+def video_latent_grid(video: dict[str, int], temporal: int, spatial: int) -> tuple[int, int, int]:
+    """Latent frames, height and width of a video of ``video``'s ``num_frames``, ``height`` and
+    ``width`` under a VAE that compresses ``temporal``x in time (the first frame alone) and
+    ``spatial``x in space: the one arithmetic the video families and their sequence split share."""
+    frames = (video["num_frames"] - 1) // temporal + 1
+    return frames, video["height"] // spatial, video["width"] // spatial
+
+
 def read_sizes(path: Path, defaults: dict[str, int], *, required: bool = False) -> dict[str, int]:
     """The positive integers a family's optional size file (``miles_video.json``, ``miles_image.json``;
     diffusers ignores it) names, ``defaults`` for the file's absence, and for a key it leaves out

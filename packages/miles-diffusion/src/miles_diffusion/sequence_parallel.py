@@ -141,14 +141,16 @@ def _vae_on_meta(root: Path, class_name: str) -> Any:
 
 def wan_sequence_split(root: Path) -> SequenceSplit:
     """Wan splits the video tokens (latent frames x patches, text unsplit) and divides the heads."""
-    from miles_diffusion.pipeline_parts import read_sizes
+    from miles_diffusion.pipeline_parts import read_sizes, video_latent_grid
     from miles_diffusion.wan import DEFAULT_VIDEO, VIDEO_FILE
 
     video = read_sizes(root / VIDEO_FILE, DEFAULT_VIDEO, required=True)
     vae = _read_config(root, "vae")
     transformer = _read_config(root, "transformer")
     pt, ph, pw = (int(p) for p in transformer.get("patch_size", (1, 2, 2)))
-    frames = (video["num_frames"] - 1) // int(vae.get("scale_factor_temporal", 4)) + 1
-    spatial = int(vae.get("scale_factor_spatial", 8))
-    tokens = (frames // pt) * (video["height"] // spatial // ph) * (video["width"] // spatial // pw)
+    # AutoencoderKLWan's defaults for keys a config leaves out
+    frames, height, width = video_latent_grid(
+        video, int(vae.get("scale_factor_temporal", 4)), int(vae.get("scale_factor_spatial", 8))
+    )
+    tokens = (frames // pt) * (height // ph) * (width // pw)
     return SequenceSplit({"video tokens": tokens}, int(transformer.get("num_attention_heads", 40)))

@@ -70,6 +70,7 @@ from miles_diffusion.pipeline_parts import (
     start_char_t5_proxy,
     tiny_t5_settings,
     tiny_wan_vae,
+    video_latent_grid,
     write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig, keep_fp32
@@ -151,9 +152,8 @@ class WanFlowModel(VideoLatentsFlowModel):
     @property
     def latent_shape(self) -> tuple[int, ...]:
         vae: Any = cast(Any, self._frozen.vae).config
-        frames = (self.video["num_frames"] - 1) // int(vae.scale_factor_temporal) + 1
-        spatial = int(vae.scale_factor_spatial)
-        return (int(vae.z_dim), frames, self.video["height"] // spatial, self.video["width"] // spatial)
+        grid = video_latent_grid(self.video, int(vae.scale_factor_temporal), int(vae.scale_factor_spatial))
+        return (int(vae.z_dim), *grid)
 
     def timestep_schedule(self, num_steps: int) -> torch.Tensor:
         self.scheduler.set_timesteps(num_steps, device="cpu")
