@@ -135,7 +135,7 @@ def _load_cosmos(path: Path, precision: PrecisionConfig | None, prompts: tuple[s
 
 
 def _wan_split(path: Path) -> SequenceSplit:
-    from miles_diffusion.sequence_parallel import wan_sequence_split
+    from miles_diffusion.wan import wan_sequence_split
 
     return wan_sequence_split(path)
 

@@ -124,6 +124,19 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
+def read_component_config(root: Path, component: str) -> dict[str, Any]:
+    """``component/config.json`` of a diffusers directory (no weights read); one ValueError if it is
+    missing, unreadable or not a JSON object."""
+    path = root / component / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the {component} config ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the {component} config is not a JSON object")
+    return data
+
+
 def video_latent_grid(video: dict[str, int], temporal: int, spatial: int) -> tuple[int, int, int]:
     """Latent frames, height and width of a video of ``video``'s ``num_frames``, ``height`` and
     ``width`` under a VAE that compresses ``temporal``x in time (the first frame alone) and

@@ -31,7 +31,6 @@ backend, the one that runs on the CPU, cannot return the log-sum-exp it needs.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -43,7 +42,6 @@ __all__ = [
     "SequenceSplit",
     "apply_sequence_parallel",
     "check_sequence_parallel",
-    "wan_sequence_split",
 ]
 
 
@@ -113,44 +111,3 @@ def apply_sequence_parallel(transformer: nn.Module, mesh: Any) -> None:
             processor._parallel_config = config
     cast(Any, transformer)._parallel_config = config  # what enable_parallelism records on the model
     apply_context_parallel(transformer, cp, plan)
-
-
-# ----------------------------------------------------------------------------- families' splits
-
-
-def _read_config(root: Path, component: str) -> dict[str, Any]:
-    path = root / component / "config.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read the {component} config ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the {component} config is not a JSON object")
-    return data
-
-
-def _vae_on_meta(root: Path, class_name: str) -> Any:
-    """The directory's VAE built on the meta device from its config (its compression ratios are
-    attributes the class derives from the config; no weights read)."""
-    import diffusers
-
-    cls = getattr(diffusers, class_name)
-    with torch.device("meta"):
-        return cls.from_config(_read_config(root, "vae"))
-
-
-def wan_sequence_split(root: Path) -> SequenceSplit:
-    """Wan splits the video tokens (latent frames x patches, text unsplit) and divides the heads."""
-    from miles_diffusion.pipeline_parts import read_sizes, video_latent_grid
-    from miles_diffusion.wan import DEFAULT_VIDEO, VIDEO_FILE
-
-    video = read_sizes(root / VIDEO_FILE, DEFAULT_VIDEO, required=True)
-    vae = _read_config(root, "vae")
-    transformer = _read_config(root, "transformer")
-    pt, ph, pw = (int(p) for p in transformer.get("patch_size", (1, 2, 2)))
-    # AutoencoderKLWan's defaults for keys a config leaves out
-    frames, height, width = video_latent_grid(
-        video, int(vae.get("scale_factor_temporal", 4)), int(vae.get("scale_factor_spatial", 8))
-    )
-    tokens = (frames // pt) * (height // ph) * (width // pw)
-    return SequenceSplit({"video tokens": tokens}, int(transformer.get("num_attention_heads", 40)))

@@ -50,7 +50,7 @@ import html
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from miles_diffusion.pipeline_parts import (
     is_pipeline_directory,
     load_scheduler,
     load_text_parts,
+    read_component_config,
     read_model_index,
     read_sizes,
     seeded_weights,
@@ -74,6 +75,9 @@ from miles_diffusion.pipeline_parts import (
     write_proxy_files,
 )
 from miles_diffusion.precision import PrecisionConfig, keep_fp32
+
+if TYPE_CHECKING:
+    from miles_diffusion.sequence_parallel import SequenceSplit
 
 PIPELINE_CLASSES = ("WanPipeline",)
 """``_class_name`` values of ``model_index.json`` this family loads."""
@@ -426,3 +430,21 @@ def build_tiny_wan(dest: Path, seed: int, config: TinyWanConfig | None = None) -
         expand_timesteps=c.expand_timesteps,
         **experts,
     )
+
+
+def wan_sequence_split(root: Path) -> SequenceSplit:
+    """What a sequence-parallel forward of the Wan directory ``root`` splits, from its config files
+    alone (:mod:`miles_diffusion.sequence_parallel`): the video tokens (latent frames x patches; the
+    text is not split) and the attention heads."""
+    from miles_diffusion.sequence_parallel import SequenceSplit
+
+    video = read_sizes(root / VIDEO_FILE, DEFAULT_VIDEO, required=True)
+    vae = read_component_config(root, "vae")
+    transformer = read_component_config(root, "transformer")
+    pt, ph, pw = (int(p) for p in transformer.get("patch_size", (1, 2, 2)))
+    # AutoencoderKLWan's defaults for keys a config leaves out
+    frames, height, width = video_latent_grid(
+        video, int(vae.get("scale_factor_temporal", 4)), int(vae.get("scale_factor_spatial", 8))
+    )
+    tokens = (frames // pt) * (height // ph) * (width // pw)
+    return SequenceSplit({"video tokens": tokens}, int(transformer.get("num_attention_heads", 40)))
